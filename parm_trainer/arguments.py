@@ -1,0 +1,164 @@
+"""Command-line flags, with Megatron-LM's names, parsed into one typed namespace.
+
+    python pretrain_gpt_moe.py --help
+
+Every flag keeps the spelling Megatron-LM users know (--tensor-model-parallel-size,
+--expert-tensor-parallel-size, --moe-router-topk, ...). `parse_args` returns an
+argparse.Namespace with derived fields filled in (data-parallel size, number of micro-batches);
+`transformer_config(args)` turns it into megatron-core's TransformerConfig.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Callable, Optional, Sequence
+
+import torch
+
+
+def _model_group(parser):
+    g = parser.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=2, help="Transformer layers.")
+    g.add_argument("--hidden-size", type=int, default=128, help="Hidden (model) size M.")
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="Dense MLP hidden size (default 4 x hidden size).")
+    g.add_argument("--num-attention-heads", type=int, default=4, help="Attention heads.")
+    g.add_argument("--seq-length", type=int, default=128, help="Tokens per sample.")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="Learned position table size (default: --seq-length).")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"],
+                   default="learned_absolute", help="Position encoding.")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
+                   help="Norm layer type.")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU activation in MLPs.")
+    g.add_argument("--disable-bias-linear", action="store_true",
+                   help="No biases in linear layers (experts included).")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="Separate input embedding and output layer weights.")
+    g.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout after MLP/attention.")
+    g.add_argument("--attention-dropout", type=float, default=0.1, help="Attention dropout.")
+    g.add_argument("--init-method-std", type=float, default=0.02,
+                   help="Std of the normal weight init (output projections scaled by 1/sqrt(2L)).")
+
+
+def _moe_group(parser):
+    g = parser.add_argument_group("mixture of experts")
+    g.add_argument("--num-experts", type=int, default=None, help="Experts E per MoE layer.")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="Expert FFN hidden size H (default --ffn-hidden-size).")
+    g.add_argument("--moe-router-topk", type=int, default=2, help="Experts per token k.")
+    g.add_argument("--moe-layer-freq", type=int, default=1,
+                   help="Every n-th layer is MoE (1: all layers).")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="Capacity factor f; tokens over capacity are dropped. None: dropless.")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                   help="Pad each expert's input to its full capacity (fixed shapes).")
+    g.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs",
+                   help="Which tokens to drop when over capacity.")
+    g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"],
+                   default="aux_loss", help="Load-balancing loss type.")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.01,
+                   help="Weight of the load-balancing loss.")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="Weight of router z-loss.")
+    g.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"],
+                   default="alltoall", help="megatron-core dispatcher used by the megatron schedule.")
+
+
+def _parallel_group(parser):
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="MP (tensor) size G.")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Pipeline stages.")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP size.")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="ESP (expert tensor parallel) size (default: the MP size).")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Split activations along the sequence over the MP group.")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Shard optimizer state over data-parallel ranks (ZeRO-1).")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                   help="Default: nccl with CUDA, gloo without.")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="Collective timeout.")
+
+
+def _training_group(parser):
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=2, help="Samples per micro-batch.")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="Samples per iteration (default micro x data-parallel size).")
+    g.add_argument("--train-iters", type=int, default=100, help="Iterations to train.")
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam", help="Optimizer.")
+    g.add_argument("--lr", type=float, default=3e-4, help="Peak learning rate.")
+    g.add_argument("--min-lr", type=float, default=0.0, help="Final learning rate.")
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"],
+                   default="cosine", help="Decay after warmup.")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="Linear warmup iterations.")
+    g.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="Iterations to decay over (default --train-iters).")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="Decoupled weight decay.")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="Global gradient-norm clip.")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
+    g.add_argument("--seed", type=int, default=1234, help="Seed for init, data and dropout.")
+    g.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPU).")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="Stop (after saving) once the iteration is a multiple of this.")
+
+
+def _data_group(parser):
+    g = parser.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="Indexed dataset prefixes, optionally weighted: 'w1 p1 w2 p2'.")
+    g.add_argument("--split", default="969,30,1", help="Train,valid,test proportions.")
+    g.add_argument("--tokenizer-type", default="SentencePieceTokenizer", help="Tokenizer kind.")
+    g.add_argument("--tokenizer-model", default=None, help="Tokenizer model file.")
+    g.add_argument("--data-cache-path", default=None, help="Where dataset indices are cached.")
+    g.add_argument("--num-workers", type=int, default=0, help="DataLoader workers.")
+
+
+def _eval_ckpt_log_group(parser):
+    g = parser.add_argument_group("evaluation, checkpoints, logging")
+    g.add_argument("--eval-interval", type=int, default=1000, help="Evaluate every n iterations.")
+    g.add_argument("--eval-iters", type=int, default=10, help="Batches per evaluation.")
+    g.add_argument("--save", default=None, help="Checkpoint directory to write.")
+    g.add_argument("--load", default=None, help="Checkpoint directory to resume from.")
+    g.add_argument("--save-interval", type=int, default=None, help="Save every n iterations.")
+    g.add_argument("--no-load-optim", action="store_true", help="Load weights only.")
+    g.add_argument("--log-interval", type=int, default=10, help="Log every n iterations.")
+    g.add_argument("--tensorboard-dir", default=None, help="Write tensorboard events here.")
+    g.add_argument("--wandb-project", default=None, help="Log to this wandb project.")
+    g.add_argument("--wandb-exp-name", default=None, help="wandb run name.")
+    g.add_argument("--wandb-save-dir", default=None, help="wandb files (default under --save).")
+    g.add_argument("--log-losses-json", default=None,
+                   help="Write every iteration's losses to this JSON file (rank 0).")
+
+
+def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="parm_trainer: MoE pretraining on megatron-core with Parm's schedules.",
+        allow_abbrev=False)
+    for add in (_model_group, _moe_group, _parallel_group, _training_group, _data_group,
+                _eval_ckpt_log_group):
+        add(parser)
+    if extra_args_provider is not None:
+        extra_args_provider(parser)
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, extra_args_provider=None,
+               world_size: Optional[int] = None) -> argparse.Namespace:
+    """Parse flags and fill in defaults that depend on other flags and the world size."""
+    args = build_parser(extra_args_provider).parse_args(argv)
+    args.world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    args.moe_ffn_hidden_size = args.moe_ffn_hidden_size or args.ffn_hidden_size
+    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
+    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    return args

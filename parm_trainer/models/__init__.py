@@ -1,0 +1,1 @@
+"""MoE models on megatron-core: the transformer config, GPT-MoE and a layout-free weight init."""

@@ -1,0 +1,69 @@
+"""Flags -> megatron-core TransformerConfig, shared by the GPT-MoE and BERT-MoE models."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def transformer_config(args: argparse.Namespace) -> TransformerConfig:
+    on_gpu = torch.cuda.is_available()
+    moe = {}
+    if args.num_experts:
+        moe = dict(
+            num_moe_experts=args.num_experts,
+            moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+            moe_router_topk=args.moe_router_topk,
+            moe_layer_freq=args.moe_layer_freq,
+            moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+            moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+            moe_token_drop_policy=args.moe_token_drop_policy,
+            moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+            moe_z_loss_coeff=args.moe_z_loss_coeff,
+            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        )
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        normalization=args.normalization,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=not args.disable_bias_linear,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        bf16=args.bf16,
+        params_dtype=args.params_dtype,
+        pipeline_dtype=args.params_dtype,
+        calculate_per_token_loss=True,
+        # Weights are built on the CPU and then overwritten by models.init, layout-free.
+        use_cpu_initialization=True,
+        # Fused CUDA kernels (Apex/TE) are optional; the torch paths run everywhere.
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=on_gpu,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        **moe,
+    )
+
+
+def padded_vocab_size(vocab_size: int, tensor_parallel_size: int, multiple: int = 128) -> int:
+    """Round the vocabulary up to a multiple of lcm(128, TP): divisible by every usual TP size,
+    so the same model (and the same losses) result for TP 1, 2, 4 and 8. Megatron-LM pads to
+    128 x TP instead, which changes the model with the layout."""
+    step = math.lcm(multiple, tensor_parallel_size)
+    return -(-vocab_size // step) * step

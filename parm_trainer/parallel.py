@@ -1,0 +1,119 @@
+"""Process groups for MP (tensor), EP, ESP (expert tensor), DP and PP, and layout checks.
+
+megatron-core's parallel_state builds the groups; this module checks a layout first, on every
+rank and with no collective, so an impossible layout ends all ranks at once with one message
+that names the flag to change, instead of a hang inside the first collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+
+import torch
+
+
+class LayoutError(ValueError):
+    """A parallel layout or model shape that cannot run; the message names the flag."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise LayoutError(message)
+
+
+def validate_layout(args: argparse.Namespace) -> None:
+    """Check the parallel layout against the world size and the model; fill in derived sizes."""
+    world, tp, pp = args.world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    for flag, size in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                       ("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp)):
+        _require(size >= 1, f"{flag} must be at least 1, got {size}")
+    _require(world % (tp * pp) == 0,
+             f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} "
+             f"does not divide the world size {world}")
+    _require(world % (etp * ep * pp) == 0,
+             f"--expert-tensor-parallel-size {etp} x --expert-model-parallel-size {ep} x "
+             f"--pipeline-model-parallel-size {pp} = {etp * ep * pp} does not divide the world "
+             f"size {world}")
+    _require(args.num_layers % pp == 0,
+             f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    _require(args.num_attention_heads % tp == 0,
+             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+             f"--tensor-model-parallel-size {tp}")
+    _require(args.hidden_size % args.num_attention_heads == 0,
+             f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+             f"{args.num_attention_heads}")
+    _require(args.ffn_hidden_size % tp == 0,
+             f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
+             f"--tensor-model-parallel-size {tp}")
+    if args.sequence_parallel:
+        _require(args.seq_length % tp == 0,
+                 f"--seq-length {args.seq_length} is not divisible by --tensor-model-parallel-size "
+                 f"{tp} (needed by --sequence-parallel)")
+    _validate_moe(args, tp, ep, etp)
+    args.data_parallel_size = world // (tp * pp)
+    _validate_batch(args)
+
+
+def _validate_moe(args, tp, ep, etp) -> None:
+    experts = args.num_experts
+    if experts is None:
+        _require(ep == 1, "--expert-model-parallel-size > 1 needs --num-experts")
+        return
+    _require(experts % ep == 0,
+             f"--num-experts {experts} is not divisible by --expert-model-parallel-size {ep}")
+    _require(1 <= args.moe_router_topk <= experts,
+             f"--moe-router-topk {args.moe_router_topk} must be between 1 and --num-experts {experts}")
+    _require(args.moe_ffn_hidden_size % etp == 0,
+             f"--moe-ffn-hidden-size {args.moe_ffn_hidden_size} is not divisible by "
+             f"--expert-tensor-parallel-size {etp}")
+    _require(etp == 1 or args.disable_bias_linear,
+             f"expert biases need --expert-tensor-parallel-size 1 (got {etp}); "
+             "add --disable-bias-linear")
+    if tp > 1:
+        # megatron-core's MoE dispatchers exchange sequence-parallel shards (TransformerConfig).
+        _require(args.sequence_parallel,
+                 "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel")
+
+
+def _validate_batch(args) -> None:
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    _require(args.global_batch_size % per_step == 0,
+             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+             f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}")
+    args.num_microbatches = args.global_batch_size // per_step
+    if args.pipeline_model_parallel_size > 1:
+        _require(args.num_microbatches >= 1, "pipeline parallelism needs at least one micro-batch")
+
+
+def initialize_distributed(args: argparse.Namespace) -> None:
+    """Start torch.distributed (env:// from torchrun) and build megatron's process groups."""
+    from megatron.core import parallel_state
+
+    if not torch.distributed.is_initialized():
+        if args.distributed_backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+        if "RANK" not in os.environ:  # a plain `python` run: one rank
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
+        torch.distributed.init_process_group(args.distributed_backend, timeout=timeout)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        distributed_timeout_minutes=int(max(1, args.distributed_timeout_minutes)),
+    )
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

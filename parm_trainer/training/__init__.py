@@ -1,0 +1,1 @@
+"""The training loop around megatron-core: set-up, steps, evaluation, checkpoints, logging."""

@@ -1,0 +1,138 @@
+"""Save and resume with megatron-core's dist_checkpointing, never leaving a half checkpoint.
+
+Layout on disk (Megatron-LM's):
+    SAVE/iter_0000200/                    one dist_checkpointing directory per save
+    SAVE/latest_checkpointed_iteration.txt
+
+A save is written to `iter_XXXXXXX.tmp`, and only once every rank has finished is it renamed
+and the tracker file replaced (os.replace is atomic). A crash mid-save leaves the previous
+checkpoint marked latest and a stray .tmp directory that the next save removes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Optional
+
+import torch
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.tensor_parallel import random as mrandom
+
+TRACKER = "latest_checkpointed_iteration.txt"
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, unreadable or does not fit the model."""
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> Optional[int]:
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{path} should hold an iteration number, found {text!r}")
+    return int(text)
+
+
+def _rng_state() -> ShardedObject:
+    """This rank's CPU/CUDA/tracker RNG states, gathered over data parallel (as Megatron-LM)."""
+    state = {"cpu": torch.get_rng_state(),
+             "tracker": mrandom.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    dp_group = parallel_state.get_data_parallel_group()
+    gathered = [None] * torch.distributed.get_world_size(dp_group)
+    torch.distributed.all_gather_object(gathered, state, group=dp_group)
+    pp, tp = (parallel_state.get_pipeline_model_parallel_world_size(),
+              parallel_state.get_tensor_model_parallel_world_size())
+    return ShardedObject("rng_state", gathered, (pp, tp),
+                         (parallel_state.get_pipeline_model_parallel_rank(),
+                          parallel_state.get_tensor_model_parallel_rank()),
+                         replica_id=parallel_state.get_data_parallel_rank())
+
+
+def _restore_rng(gathered: list) -> None:
+    dp_rank = parallel_state.get_data_parallel_rank()
+    if len(gathered) != parallel_state.get_data_parallel_world_size():
+        return  # saved under another data-parallel size: dropout streams cannot carry over
+    state = gathered[dp_rank]
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    mrandom.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sharded_state(model, optimizer, scheduler, extra: dict, with_optimizer: bool,
+                   is_loading: bool) -> dict:
+    state = dict(extra)
+    model_state = {}
+    for index, chunk in enumerate(model):
+        key = "model" if len(model) == 1 else f"model{index}"
+        state[key] = chunk.sharded_state_dict()
+        model_state.update(state[key])
+    if with_optimizer:
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata=OPTIMIZER_SHARDING)
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    state["rng_state"] = _rng_state()
+    return state
+
+
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
+                    consumed_train_samples: int) -> str:
+    rank = torch.distributed.get_rank()
+    final, tmp = iteration_dir(root, iteration), iteration_dir(root, iteration) + ".tmp"
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    torch.distributed.barrier()
+    extra = {"iteration": iteration, "consumed_train_samples": consumed_train_samples}
+    state = _sharded_state(model, optimizer, scheduler, extra, True, is_loading=False)
+    dist_checkpointing.save(state, tmp)
+    torch.distributed.barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
+        with open(tracker_tmp, "w") as f:
+            f.write(str(iteration))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tracker_tmp, os.path.join(root, TRACKER))
+    torch.distributed.barrier()
+    return final
+
+
+def load_checkpoint(root: str, model, optimizer, scheduler, load_optimizer: bool = True):
+    """Load the latest checkpoint under `root` in place; returns (iteration, consumed samples).
+
+    Raises CheckpointError, identically on every rank, when it cannot.
+    """
+    iteration = read_tracker(root)
+    if iteration is None:
+        raise CheckpointError(f"--load {root}: no {TRACKER} (no checkpoint was finished there)")
+    path = iteration_dir(root, iteration)
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise CheckpointError(f"--load {root}: {path} is missing or incomplete")
+    template = _sharded_state(model, optimizer, scheduler, {}, load_optimizer, is_loading=True)
+    try:
+        loaded = dist_checkpointing.load(template, path)
+    except Exception as error:  # dist_checkpointing raises many kinds; one clear message
+        raise CheckpointError(f"--load {path}: cannot read checkpoint ({type(error).__name__}: "
+                              f"{str(error).splitlines()[0][:300]})") from error
+    for index, chunk in enumerate(model):
+        chunk.load_state_dict(loaded["model" if len(model) == 1 else f"model{index}"])
+    if load_optimizer:
+        optimizer.load_state_dict(loaded["optimizer"])
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    _restore_rng(loaded["rng_state"])
+    return int(loaded["iteration"]), int(loaded["consumed_train_samples"])

@@ -1,0 +1,27 @@
+"""Model FLOPs per iteration, counting only the parameters a token activates.
+
+Per token and layer, forward:  2 * (4 h^2)                      attention projections (q,k,v,o)
+                             + 4 * s * h                        scores QK^T and weighted sum of V
+                             + 2 * h * E                        router (MoE layers)
+                             + 2 * k * g * h * H                k active experts (g = 3 with SwiGLU,
+                                                                2 otherwise); dense MLP: k=1, H=F
+plus 2 * h * V per token for the logits. Training = 3 x forward (backward ~ 2 x forward).
+Causal masking is not discounted, matching Megatron-LM's reporting.
+"""
+
+from __future__ import annotations
+
+
+def flops_per_iteration(args, vocab_size: int | None = None) -> float:
+    h, s, L = args.hidden_size, args.seq_length, args.num_layers
+    vocab = vocab_size or getattr(args, "padded_vocab_size", 0) or 0
+    gated = 3 if args.swiglu else 2
+    per_layer_common = 2 * 4 * h * h + 4 * s * h
+    dense_mlp = 2 * gated * h * args.ffn_hidden_size
+    moe_layers = len(range(0, L, args.moe_layer_freq)) if args.num_experts else 0
+    moe_mlp = 2 * h * (args.num_experts or 0) + 2 * args.moe_router_topk * gated * h * (
+        args.moe_ffn_hidden_size or 0)
+    forward_per_token = (L * per_layer_common + moe_layers * moe_mlp
+                         + (L - moe_layers) * dense_mlp + 2 * h * vocab)
+    tokens = args.global_batch_size * s
+    return 3.0 * forward_per_token * tokens

@@ -1,0 +1,86 @@
+"""Start-up shared by the entry scripts: flags, checks, CPU compatibility, process groups, and
+one-line errors for bad input.
+
+Checks that need no communication (layout, files) run before torch.distributed starts, on every
+rank, so bad input ends every rank at once instead of hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import torch
+
+from parm_trainer.arguments import parse_args
+from parm_trainer.compat import cpu
+from parm_trainer.parallel import LayoutError, initialize_distributed, validate_layout
+
+
+class InputError(ValueError):
+    """A flag or input file that cannot work; the message names it."""
+
+
+def _check_inputs(args) -> None:
+    if not args.data_path:
+        raise InputError("--data-path is required (an indexed dataset prefix, "
+                         "e.g. data/demo/corpus_text_document)")
+    if not args.tokenizer_model:
+        raise InputError("--tokenizer-model is required")
+    if not os.path.isfile(args.tokenizer_model):
+        raise InputError(f"--tokenizer-model {args.tokenizer_model}: no such file")
+    prefixes = [p for p in args.data_path if not _is_number(p)]
+    for prefix in prefixes:
+        for suffix in (".idx", ".bin"):
+            if not os.path.isfile(prefix + suffix):
+                raise InputError(f"--data-path {prefix}: missing {prefix + suffix}")
+    if args.load and os.path.exists(args.load) and not os.path.isdir(args.load):
+        raise InputError(f"--load {args.load} is not a directory")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def initialize(argv=None, extra_args_provider=None, check_inputs=_check_inputs):
+    """Parse flags, check them, apply the CPU layer if needed, start the process groups."""
+    args = parse_args(argv, extra_args_provider)
+    validate_layout(args)
+    if check_inputs is not None:
+        check_inputs(args)
+    cpu.apply()
+    initialize_distributed(args)
+    return args
+
+
+def _rank() -> int:
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+@contextlib.contextmanager
+def user_errors(*extra_types):
+    """Turn errors in the user's input into one line on rank 0 and exit status 1 on all ranks.
+
+    The listed types are raised identically on every rank (checks without communication, or
+    after a collective that shared the verdict), so one line from rank 0 tells the whole story.
+    Anything else keeps its traceback.
+    """
+    from parm_trainer.training.checkpointing import CheckpointError
+    from parm_trainer.training.loop import NonFiniteLossError
+
+    known = (LayoutError, InputError, CheckpointError, NonFiniteLossError, FileNotFoundError,
+             *extra_types)
+    try:
+        yield
+    except known as error:
+        if _rank() == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # no teardown: other ranks may already be gone

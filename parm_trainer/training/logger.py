@@ -1,0 +1,89 @@
+"""Metrics to the console, tensorboard (--tensorboard-dir) and wandb (--wandb-project).
+
+Only the last rank writes (it holds the loss under pipeline parallelism, as in Megatron-LM).
+wandb runs offline unless WANDB_MODE says otherwise or an API key is configured, so a machine
+without network still keeps the run under --wandb-save-dir for a later `wandb sync`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Optional
+
+import torch
+
+
+def is_last_rank() -> bool:
+    return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+
+
+def print_rank_0(message: str) -> None:
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(message, flush=True)
+
+
+def print_rank_last(message: str) -> None:
+    if not torch.distributed.is_initialized() or is_last_rank():
+        print(message, flush=True)
+
+
+def _wandb_mode() -> str:
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    netrc = os.path.expanduser("~/.netrc")
+    has_key = os.environ.get("WANDB_API_KEY") or (
+        os.path.isfile(netrc) and "api.wandb.ai" in open(netrc).read())
+    return "online" if has_key else "offline"
+
+
+class MetricsLogger:
+    def __init__(self, args):
+        self.enabled = is_last_rank()
+        self.tensorboard = None
+        self.wandb = None
+        self.history: list[dict] = []
+        self.json_path = args.log_losses_json
+        if not self.enabled:
+            return
+        if args.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=100)
+        if args.wandb_project:
+            import wandb
+
+            save_dir = args.wandb_save_dir or os.path.join(args.save or ".", "wandb")
+            os.makedirs(save_dir, exist_ok=True)
+            config = {k: v for k, v in vars(args).items()
+                      if isinstance(v, (int, float, str, bool, list, type(None)))}
+            self.wandb = wandb.init(project=args.wandb_project, name=args.wandb_exp_name,
+                                    dir=save_dir, config=config, mode=_wandb_mode())
+
+    def scalars(self, iteration: int, values: dict, prefix: str = "") -> None:
+        if not self.enabled:
+            return
+        named = {f"{prefix}{k}": float(v) for k, v in values.items() if v is not None}
+        if self.tensorboard is not None:
+            for key, value in named.items():
+                self.tensorboard.add_scalar(key, value, iteration)
+        if self.wandb is not None:
+            self.wandb.log(named, step=iteration)
+
+    def record(self, iteration: int, values: dict) -> None:
+        """Keep every iteration's losses for --log-losses-json (tests compare layouts with it)."""
+        if self.enabled and self.json_path:
+            self.history.append({"iteration": iteration, **{k: float(v) for k, v in values.items()}})
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.json_path:
+            with open(self.json_path, "w") as f:
+                json.dump(self.history, f, indent=1)
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        sys.stdout.flush()

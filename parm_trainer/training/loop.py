@@ -1,0 +1,211 @@
+"""pretrain(): the Megatron-LM training loop on megatron-core, for any MoE model provider.
+
+    torchrun --nproc-per-node 4 pretrain_gpt_moe.py --tensor-model-parallel-size 2 ...
+
+One iteration runs megatron's pipeline schedule (no pipelining, or 1F1B with
+--pipeline-model-parallel-size > 1) over the global batch's micro-batches, finalises gradients
+(DP all-reduce, sequence-parallel norms, tied embeddings), checks the loss is finite on every
+rank, then steps the optimizer and the LR schedule.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.moe import moe_utils
+
+from parm_trainer.models.config import transformer_config
+from parm_trainer.training import checkpointing
+from parm_trainer.training.data import cycle, micro_batch_iterator
+from parm_trainer.training.flops import flops_per_iteration
+from parm_trainer.training.logger import MetricsLogger, print_rank_0, print_rank_last
+from parm_trainer.training.setup import build_model, build_optimizer, wire_config
+
+MOE_LOSS_NAMES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss became NaN or infinite; raised on every rank before the optimizer step."""
+
+
+def _reduce_losses(losses: list, name: str):
+    """Sum (loss, tokens) pairs over micro-batches and data-parallel ranks -> mean loss.
+
+    Only the last pipeline stage has losses; the result is broadcast to every rank so that all
+    of them see the same value (and the same NaN check)."""
+    total = torch.zeros(2, dtype=torch.float64)
+    for item in losses:
+        if name in item:
+            total += item[name].detach().double().cpu()
+    if parallel_state.is_pipeline_last_stage():
+        torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    # Other stages hold zeros: a sum over the pipeline gives every rank the last stage's value.
+    torch.distributed.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+    return (total[0] / total[1]).item() if total[1] > 0 else float("nan")
+
+
+def _moe_losses(num_microbatches: int, num_moe_layers: int) -> dict:
+    """Mean over MoE layers of megatron's tracked router losses (unscaled by their coeffs)."""
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    names = [name for name in MOE_LOSS_NAMES if name in tracker]
+    if not names:
+        return {}
+    moe_utils.reduce_aux_losses_tracker_across_ranks(names)
+    out = {name: (tracker[name]["values"].sum() / num_microbatches / num_moe_layers).item()
+           for name in names}
+    moe_utils.clear_aux_losses_tracker()
+    return out
+
+
+class Trainer:
+    def __init__(self, args, model_provider: Callable, datasets_provider: Callable,
+                 forward_step: Callable):
+        self.args = args
+        self.forward_step = forward_step
+        torch.manual_seed(args.seed)
+        model_parallel_cuda_manual_seed(args.seed)
+        self.config = transformer_config(args)
+        self.model = build_model(args, self.config, model_provider)
+        self.optimizer, self.scheduler = build_optimizer(args, self.model)
+        wire_config(self.config, self.model, self.optimizer)
+        self.iteration, self.consumed = 0, 0
+        if args.load:
+            self._load()
+        self.datasets = datasets_provider(args, self._num_samples())
+        self.logger = MetricsLogger(args)
+        self.num_moe_layers = (len(range(0, args.num_layers, args.moe_layer_freq))
+                               if args.num_experts else 0)
+        self.flops = flops_per_iteration(args)
+
+    def _load(self):
+        args = self.args
+        if checkpointing.read_tracker(args.load) is None:
+            print_rank_0(f"no checkpoint in --load {args.load}: starting from scratch")
+            return
+        self.iteration, self.consumed = checkpointing.load_checkpoint(
+            args.load, self.model, self.optimizer, self.scheduler,
+            load_optimizer=not args.no_load_optim)
+        print_rank_0(f"resumed from {args.load} at iteration {self.iteration}")
+
+    def _num_samples(self):
+        a = self.args
+        evals = a.train_iters // a.eval_interval + 1
+        return (a.train_iters * a.global_batch_size, evals * a.eval_iters * a.global_batch_size,
+                a.eval_iters * a.global_batch_size)
+
+    def _run_schedule(self, iterator, forward_only: bool):
+        a = self.args
+        return get_forward_backward_func()(
+            forward_step_func=self.forward_step, data_iterator=iterator, model=self.model,
+            num_microbatches=a.num_microbatches, seq_length=a.seq_length,
+            micro_batch_size=a.micro_batch_size, forward_only=forward_only)
+
+    def train_step(self, iterator) -> dict:
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = self._run_schedule(iterator, forward_only=False)
+        loss = _reduce_losses(losses, "lm loss")
+        if not math.isfinite(loss):
+            raise NonFiniteLossError(
+                f"loss is {loss} at iteration {self.iteration + 1}; no update was applied "
+                f"(last checkpoint: {self.args.save or 'none'})")
+        _, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        metrics = {"lm loss": loss, "lr": self.scheduler.get_lr(self.optimizer.param_groups[0]),
+                   "grad norm": grad_norm if grad_norm is not None else float("nan")}
+        if self.num_moe_layers:
+            metrics.update(_moe_losses(self.args.num_microbatches, self.num_moe_layers))
+        return metrics
+
+    def evaluate(self, iterator) -> dict:
+        for chunk in self.model:
+            chunk.eval()
+        losses = []
+        with torch.no_grad():
+            for _ in range(self.args.eval_iters):
+                losses.extend(self._run_schedule(iterator, forward_only=True))
+        for chunk in self.model:
+            chunk.train()
+        if self.num_moe_layers:
+            moe_utils.clear_aux_losses_tracker()
+        loss = _reduce_losses(losses, "lm loss")
+        return {"lm loss": loss, "ppl": math.exp(min(20.0, loss))}
+
+    def save(self):
+        if self.args.save:
+            path = checkpointing.save_checkpoint(self.args.save, self.iteration, self.model,
+                                                 self.optimizer, self.scheduler, self.consumed)
+            print_rank_0(f"saved checkpoint {path}")
+
+    def _log(self, metrics: dict, seconds_per_iter: float):
+        a = self.args
+        tokens_per_s = a.global_batch_size * a.seq_length / seconds_per_iter
+        tflops = self.flops / seconds_per_iter / a.world_size / 1e12
+        eta = (a.train_iters - self.iteration) * seconds_per_iter
+        extra = "".join(f" | {k} {v:.4f}" for k, v in metrics.items()
+                        if k not in ("lm loss", "lr", "grad norm"))
+        print_rank_last(
+            f"iteration {self.iteration:6d}/{a.train_iters} | lm loss {metrics['lm loss']:.6f} | "
+            f"lr {metrics['lr']:.3e} | grad norm {metrics['grad norm']:.3f}{extra} | "
+            f"ms/iter {seconds_per_iter * 1e3:.1f} | tokens/s {tokens_per_s:.0f} | "
+            f"TFLOP/s/device {tflops:.4f} | ETA {eta / 60:.1f} min")
+        self.logger.scalars(self.iteration, {**metrics, "tokens_per_s": tokens_per_s,
+                                             "tflops_per_device": tflops}, prefix="train/")
+
+    def _validate(self, valid_iterator, label="validation"):
+        result = self.evaluate(valid_iterator)
+        print_rank_last(f"{label} at iteration {self.iteration} | lm loss {result['lm loss']:.6f}"
+                        f" | ppl {result['ppl']:.3f}")
+        self.logger.scalars(self.iteration, result, prefix="valid/")
+        self.last_validation = result
+        return result
+
+    def train(self):
+        a = self.args
+        train_ds, valid_ds, _ = self.datasets
+        train_iterator = micro_batch_iterator(train_ds, self.consumed, a.micro_batch_size,
+                                              a.num_workers)
+        valid_iterator = cycle(lambda: micro_batch_iterator(valid_ds, 0, a.micro_batch_size))
+        first = self._validate(valid_iterator, "validation (start)") if a.eval_iters else None
+        window_start, window_iters = time.perf_counter(), 0
+        while self.iteration < a.train_iters:
+            metrics = self.train_step(train_iterator)
+            self.iteration += 1
+            self.consumed += a.global_batch_size
+            window_iters += 1
+            self.logger.record(self.iteration, metrics)
+            if self.iteration % a.log_interval == 0 or self.iteration == a.train_iters:
+                now = time.perf_counter()
+                self._log(metrics, (now - window_start) / window_iters)
+                window_start, window_iters = now, 0
+            if a.eval_iters and self.iteration % a.eval_interval == 0:
+                self._validate(valid_iterator)
+            if a.save_interval and self.iteration % a.save_interval == 0:
+                self.save()
+            if a.exit_interval and self.iteration % a.exit_interval == 0:
+                break
+        last = None
+        if a.eval_iters:
+            validated_now = self.iteration % a.eval_interval == 0
+            last = self.last_validation if validated_now else self._validate(
+                valid_iterator, "validation (end)")
+        if a.save and not (a.save_interval and self.iteration % a.save_interval == 0):
+            self.save()
+        if first and last:
+            print_rank_last(f"validation lm loss: start {first['lm loss']:.4f} -> "
+                            f"end {last['lm loss']:.4f}")
+        self.logger.close()
+
+
+def pretrain(args, model_provider: Callable, datasets_provider: Callable,
+             forward_step: Callable) -> None:
+    """Set up from the parsed flags (distributed state must be initialised) and train."""
+    trainer = Trainer(args, model_provider, datasets_provider, forward_step)
+    trainer.train()

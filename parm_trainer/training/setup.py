@@ -1,0 +1,75 @@
+"""Build the model chunk, its DDP wrapper, the megatron optimizer and the LR schedule."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from parm_trainer.models.init import init_weights_layout_free
+
+# model_provider(args, config, pre_process, post_process) -> megatron module
+ModelProvider = Callable[[argparse.Namespace, TransformerConfig, bool, bool], torch.nn.Module]
+
+
+def build_model(args, config: TransformerConfig, model_provider: ModelProvider) -> list:
+    """One model chunk for this pipeline stage, weights drawn layout-free, wrapped in DDP."""
+    module = model_provider(args, config, parallel_state.is_pipeline_first_stage(),
+                            parallel_state.is_pipeline_last_stage())
+    init_weights_layout_free(module, args.seed, args.init_method_std, args.num_layers)
+    if torch.cuda.is_available():
+        module.cuda(torch.cuda.current_device())
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        check_for_nan_in_grad=False,  # the loop checks the loss on every rank instead
+    )
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
+    model.broadcast_params()
+    return [model]
+
+
+def build_optimizer(args, model: list):
+    opt_config = OptimizerConfig(
+        optimizer=args.optimizer,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        params_dtype=args.params_dtype,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, model)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if args.lr_warmup_iters else args.lr,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=args.lr_decay_iters,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def wire_config(config: TransformerConfig, model: list, optimizer) -> None:
+    """The hooks megatron's pipeline schedules call: grad finalisation, loss scale, no_sync."""
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = model[0].no_sync

@@ -1,0 +1,66 @@
+"""Pretrain a Mixture-of-Experts GPT on megatron-core.
+
+    torchrun --nproc-per-node 4 pretrain_gpt_moe.py \
+        --tensor-model-parallel-size 2 --expert-model-parallel-size 2 \
+        --expert-tensor-parallel-size 2 --sequence-parallel --disable-bias-linear \
+        --num-experts 4 --moe-router-topk 2 --num-layers 4 --hidden-size 256 \
+        --num-attention-heads 8 --seq-length 256 --micro-batch-size 4 --global-batch-size 16 \
+        --train-iters 300 --lr 1e-3 --data-path data/demo/corpus_text_document \
+        --tokenizer-type SentencePieceTokenizer --tokenizer-model data/demo/tokenizer.model
+
+This file holds only the GPT-specific providers (model, datasets, forward step and loss);
+parm_trainer.training runs the loop. `scripts/` has launchers for one node, many nodes and slurm.
+"""
+
+from functools import partial
+
+import torch
+
+from parm_trainer.data.gpt_datasets import build_gpt_datasets
+from parm_trainer.data.tokenizer import build_tokenizer
+from parm_trainer.models.config import padded_vocab_size
+from parm_trainer.models.gpt import build_gpt_moe
+from parm_trainer.training.initialize import initialize, user_errors
+from parm_trainer.training.loop import pretrain
+
+
+def model_provider(args, config, pre_process=True, post_process=True):
+    return build_gpt_moe(args, config, args.padded_vocab_size, pre_process, post_process)
+
+
+def datasets_provider(args, num_samples):
+    return build_gpt_datasets(args.data_path, args.split, args.seq_length, args.seed,
+                              args.tokenizer, num_samples, args.data_cache_path)
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Per-token cross entropy summed over unmasked tokens; megatron divides by the count."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.float().view(-1)
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    tokens = batch["tokens"].to(device, non_blocking=True)
+    labels = batch["labels"].to(device, non_blocking=True)
+    loss_mask = batch["loss_mask"].to(device, non_blocking=True)
+    position_ids = batch["position_ids"].to(device, non_blocking=True)
+    output = model(tokens, position_ids, None, labels=labels)
+    return output, partial(loss_func, loss_mask)
+
+
+def main(argv=None):
+    with user_errors():
+        args = initialize(argv)
+        args.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        args.padded_vocab_size = padded_vocab_size(args.tokenizer.vocab_size,
+                                                   args.tensor_model_parallel_size)
+        pretrain(args, model_provider, datasets_provider, forward_step)
+
+
+if __name__ == "__main__":
+    main()

@@ -135,6 +135,21 @@ def _eval_ckpt_log_group(parser):
                    help="Write every iteration's losses to this JSON file (rank 0).")
 
 
+class ArgumentsError(ValueError):
+    """Flags that contradict each other; the message names them."""
+
+
+def _check(args) -> None:
+    if args.lr_warmup_iters and args.lr_warmup_iters >= args.lr_decay_iters:
+        raise ArgumentsError(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than "
+                             f"--lr-decay-iters {args.lr_decay_iters} (default --train-iters)")
+    if args.train_iters < 1:
+        raise ArgumentsError("--train-iters must be at least 1")
+    for flag in ("log_interval", "eval_interval"):
+        if getattr(args, flag) < 1:
+            raise ArgumentsError(f"--{flag.replace('_', '-')} must be at least 1")
+
+
 def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="parm_trainer: MoE pretraining on megatron-core with Parm's schedules.",
@@ -161,4 +176,5 @@ def parse_args(argv: Optional[Sequence[str]] = None, extra_args_provider=None,
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    _check(args)
     return args

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from parm_trainer.arguments import parse_args
+from parm_trainer.arguments import ArgumentsError, parse_args
 from parm_trainer.compat import cpu
 from parm_trainer.parallel import LayoutError, initialize_distributed, validate_layout
 
@@ -72,10 +72,12 @@ def user_errors(*extra_types):
     after a collective that shared the verdict), so one line from rank 0 tells the whole story.
     Anything else keeps its traceback.
     """
+    from parm_trainer.data.gpt_datasets import DataError
     from parm_trainer.training.checkpointing import CheckpointError
     from parm_trainer.training.loop import NonFiniteLossError
 
-    known = (LayoutError, InputError, CheckpointError, NonFiniteLossError, FileNotFoundError,
+    known = (ArgumentsError, LayoutError, InputError, CheckpointError, DataError, NonFiniteLossError,
+             FileNotFoundError,
              *extra_types)
     try:
         yield

@@ -19,11 +19,31 @@ from parm_trainer.models.init import init_weights_layout_free
 ModelProvider = Callable[[argparse.Namespace, TransformerConfig, bool, bool], torch.nn.Module]
 
 
+def mark_expert_params(module: torch.nn.Module) -> int:
+    """Flag every expert weight `allreduce = False`, whatever the EP size.
+
+    megatron-core (tensor_parallel/layers.py, `self.expert_parallel = config.
+    expert_model_parallel_size > 1`) marks expert weights only when EP > 1; with EP = 1 they
+    land in DDP's dense buffers and are reduced over the dense data-parallel group. That group is
+    wrong whenever ESP differs from MP (e.g. TP2 with ESP1: each MP rank's expert replica sees
+    its own sequence shard, and the replicas' gradients must be summed over the expert-data-
+    parallel group). With the flag, DDP and the optimizer use the expert groups in every layout.
+    """
+    flagged = 0
+    for sub in module.modules():
+        if getattr(sub, "is_expert", False):
+            for param in sub.parameters(recurse=False):
+                param.allreduce = False
+                flagged += 1
+    return flagged
+
+
 def build_model(args, config: TransformerConfig, model_provider: ModelProvider) -> list:
     """One model chunk for this pipeline stage, weights drawn layout-free, wrapped in DDP."""
     module = model_provider(args, config, parallel_state.is_pipeline_first_stage(),
                             parallel_state.is_pipeline_last_stage())
     init_weights_layout_free(module, args.seed, args.init_method_std, args.num_layers)
+    mark_expert_params(module)
     if torch.cuda.is_available():
         module.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(

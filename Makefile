@@ -1,0 +1,42 @@
+# make demo   installs everything (.venv), builds the demo data, trains a small MoE GPT on 4 CPU ranks
+# make test   installs everything, then runs the test suite
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+DATA   := data/demo
+NPROC  ?= 4
+
+.PHONY: setup data demo test clean-demo
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt torch
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+$(DATA)/corpus.jsonl: | setup
+	mkdir -p $(DATA)
+	$(PY) tools/make_demo_corpus.py --output $@
+
+$(DATA)/tokenizer.model: $(DATA)/corpus.jsonl
+	$(PY) tools/train_tokenizer.py --input $< --json-keys text --output-prefix $(DATA)/tokenizer \
+		--vocab-size 8000 --model-type bpe
+
+$(DATA)/corpus_text_document.idx: $(DATA)/corpus.jsonl $(DATA)/tokenizer.model
+	$(PY) tools/preprocess_data.py --input $(DATA)/corpus.jsonl --json-keys text \
+		--output-prefix $(DATA)/corpus --tokenizer-type SentencePieceTokenizer \
+		--tokenizer-model $(DATA)/tokenizer.model --append-eod --workers 2
+
+data: $(DATA)/corpus_text_document.idx
+
+demo: setup data
+	PYTHON=$(PY) NPROC=$(NPROC) bash scripts/demo_gpt_moe.sh
+
+test: setup
+	$(PY) -m pytest -q tests
+
+clean-demo:
+	rm -rf $(DATA) runs/demo

@@ -1,0 +1,1 @@
+"""Data pipeline: tokenizer and megatron.core GPT datasets."""

@@ -1,0 +1,184 @@
+"""Train/valid/test GPT datasets over megatron.core indexed datasets.
+
+    train_ds, valid_ds, test_ds = build_gpt_datasets(
+        ["data/demo/corpus_text_document"], split="98,2,0", seq_length=512, seed=1234,
+        tokenizer=tokenizer, num_samples=(train_samples, valid_samples, test_samples))
+
+Each sample is a dict of torch tensors: tokens, labels (tokens shifted left by
+one), loss_mask, position_ids and attention_mask.
+"""
+
+import contextlib
+import os
+import struct
+
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import DType
+from megatron.core.datasets.utils import Split, get_blend_from_list
+
+PREPROCESS_HINT = "re-run tools/preprocess_data.py"
+
+
+class DataError(ValueError):
+    """A dataset that is missing, corrupt or too small; the message names the file or flag."""
+# The .idx layout: magic, version (uint64), token dtype code (uint8), sequence
+# count and document count (uint64 each), then int32 sequence lengths, int64
+# sequence byte offsets into the .bin, int64 document boundaries.
+IDX_MAGIC = b"MMIDIDX\x00\x00"
+_IDX_FIXED_BYTES = len(IDX_MAGIC) + 8 + 1 + 8 + 8
+
+
+def parse_data_path(data_path):
+    """--data-path values -> megatron blend ([prefixes], [weights] or None).
+
+    Accepts Megatron-LM's forms: ["prefixA", "prefixB"] or
+    ["0.3", "prefixA", "0.7", "prefixB"]; an element holding several
+    whitespace-separated words ("0.3 prefixA 0.7 prefixB") is split first, so
+    prefixes cannot contain spaces.
+    """
+    if isinstance(data_path, str):
+        data_path = [data_path]
+    words = [word for item in data_path for word in item.split()]
+    if not words:
+        raise DataError("--data-path is empty")
+    prefixes, weights = get_blend_from_list(words)
+    if weights is None and len(words) % 2 == 0 and _is_number(words[0]):
+        raise DataError(f"--data-path {' '.join(words)!r}: expected 'weight prefix' "
+                         f"pairs, but some weights are not numbers")
+    return prefixes, weights
+
+
+def _is_number(word):
+    try:
+        float(word)
+        return True
+    except ValueError:
+        return False
+
+
+def check_indexed_dataset(prefix):
+    """Raise a clear error unless prefix.bin/.idx look like a valid dataset.
+
+    megatron.core checks the index with asserts (skipped under python -O) or
+    not at all, and a truncated file otherwise surfaces as an opaque numpy or
+    IndexError much later.
+    """
+    idx_path, bin_path = prefix + ".idx", prefix + ".bin"
+    for path in (bin_path, idx_path):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--data-path prefix {prefix}: {path} not found "
+                                    f"(create it with tools/preprocess_data.py)")
+
+    def corrupt(reason):
+        return DataError(f"{idx_path} is not a valid megatron indexed dataset index: "
+                          f"{reason}; {PREPROCESS_HINT}")
+
+    idx_size = os.path.getsize(idx_path)
+    with open(idx_path, "rb") as f:
+        fixed = f.read(_IDX_FIXED_BYTES)
+        if not fixed.startswith(IDX_MAGIC):
+            raise corrupt(f"bad header magic (expected {IDX_MAGIC!r})")
+        if len(fixed) < _IDX_FIXED_BYTES:
+            raise corrupt(f"truncated header ({idx_size} bytes)")
+        version, code, num_seqs, num_docs = struct.unpack("<QBQQ", fixed[len(IDX_MAGIC):])
+        if version != 1:
+            raise corrupt(f"unsupported version {version}")
+        if code not in {d.value for d in DType}:
+            raise corrupt(f"unknown token dtype code {code}")
+        expected = _IDX_FIXED_BYTES + 12 * num_seqs + 8 * num_docs
+        if idx_size < expected:
+            raise corrupt(f"truncated ({idx_size} bytes, its header promises {expected})")
+
+        def read_at(offset, fmt):
+            f.seek(_IDX_FIXED_BYTES + offset)
+            return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+        docs_at = 12 * num_seqs
+        if num_docs == 0 or read_at(docs_at, "<q") != 0 \
+                or read_at(docs_at + 8 * (num_docs - 1), "<q") != num_seqs:
+            raise corrupt("document boundaries do not cover the sequences")
+        if num_seqs == 0:
+            raise DataError(f"--data-path prefix {prefix} holds no documents")
+        last_length = read_at(4 * (num_seqs - 1), "<i")
+        last_pointer = read_at(4 * num_seqs + 8 * (num_seqs - 1), "<q")
+
+    bin_needed = last_pointer + last_length * DType.size(code)
+    bin_size = os.path.getsize(bin_path)
+    if bin_size < bin_needed:
+        raise DataError(f"{bin_path} is truncated ({bin_size} bytes, its index needs "
+                         f"{bin_needed}); {PREPROCESS_HINT}")
+    return num_seqs
+
+
+def _check_splits_not_empty(prefix, num_seqs, split_matrix, num_samples):
+    """megatron.core loops forever when asked for samples from a split that
+    received no documents, so refuse that up front."""
+    for split, bookends, samples in zip(Split, split_matrix, num_samples):
+        if bookends is None or samples is None:
+            continue
+        begin = int(round(bookends[0] * num_seqs))
+        end = int(round(bookends[1] * num_seqs))
+        if end <= begin:
+            raise DataError(f"{prefix} has {num_seqs} documents, too few to give the "
+                             f"{split.name} split any under the split {split_matrix}; "
+                             f"use more data or another --split")
+
+
+@contextlib.contextmanager
+def _rank_zero_without_distributed():
+    """Let megatron.core ask a lone process for its rank.
+
+    BlendedDataset (megatron-core 0.16.1) calls torch.distributed.get_rank()
+    on a cache miss without checking that torch.distributed is initialized,
+    so blends fail in a single process. A lone process is rank 0.
+    """
+    if torch.distributed.is_initialized():
+        yield
+        return
+    get_rank = torch.distributed.get_rank
+    torch.distributed.get_rank = lambda group=None: 0
+    try:
+        yield
+    finally:
+        torch.distributed.get_rank = get_rank
+
+
+def build_gpt_datasets(data_path, split, seq_length, seed, tokenizer, num_samples,
+                       data_cache_path=None):
+    """Build (train, valid, test) GPTDatasets; a split with weight 0 is None.
+
+    data_path follows Megatron-LM's --data-path (prefixes, optionally with
+    weights); split is e.g. "98,2,0"; num_samples is the number of samples
+    to draw per split (at least; datasets repeat in epochs to reach it).
+    Sample indices are cached under data_cache_path; without one, megatron
+    caches each prefix's under PREFIX/cache/GPTDataset_indices/ (a directory
+    named like the prefix, next to its .bin/.idx) and blends are not cached.
+
+    Works without torch.distributed. When it is initialized, every rank must
+    call this: rank 0 builds the indices first and the others then load them
+    (megatron.core synchronizes with barriers).
+    """
+    prefixes, weights = parse_data_path(data_path)
+    num_seqs = {prefix: check_indexed_dataset(prefix) for prefix in prefixes}
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=(prefixes, weights),
+        split=split,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,  # causal masking happens inside the model
+        path_to_cache=data_cache_path,
+        mid_level_dataset_surplus=0.005,
+    )
+    for prefix in prefixes:
+        _check_splits_not_empty(prefix, num_seqs[prefix], config.split_matrix, num_samples)
+    builder = BlendedMegatronDatasetBuilder(
+        GPTDataset, list(num_samples), lambda: True, config)
+    with _rank_zero_without_distributed():
+        train, valid, test = builder.build()
+    return train, valid, test

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Launch pretrain_gpt_moe.py with torchrun, on one node or several.
+#
+#   One node:     NPROC_PER_NODE=8 TP=2 EP=4 bash scripts/train_gpt_moe.sh [extra flags]
+#   Many nodes:   on every node, with the same MASTER_ADDR/MASTER_PORT and its own NODE_RANK:
+#                 NNODES=4 NODE_RANK=0 MASTER_ADDR=node0 NPROC_PER_NODE=8 bash scripts/train_gpt_moe.sh
+#
+# Every setting below can be overridden from the environment; extra arguments are passed on
+# to pretrain_gpt_moe.py last, so they win over the defaults here.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python}
+NPROC_PER_NODE=${NPROC_PER_NODE:-4}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+
+TP=${TP:-2}; EP=${EP:-2}; ETP=${ETP:-$TP}; PP=${PP:-1}
+NUM_EXPERTS=${NUM_EXPERTS:-4}; TOPK=${TOPK:-2}
+DATA_PATH=${DATA_PATH:-data/demo/corpus_text_document}
+TOKENIZER_MODEL=${TOKENIZER_MODEL:-data/demo/tokenizer.model}
+RUN_DIR=${RUN_DIR:-runs/gpt_moe}
+
+DISTRIBUTED_ARGS=(
+    --nproc-per-node "$NPROC_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"
+    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
+)
+MODEL_ARGS=(
+    --num-layers "${NUM_LAYERS:-4}" --hidden-size "${HIDDEN:-128}"
+    --num-attention-heads "${HEADS:-4}" --seq-length "${SEQ:-128}"
+    --max-position-embeddings "${SEQ:-128}" --disable-bias-linear
+    --hidden-dropout 0.0 --attention-dropout 0.0
+)
+MOE_ARGS=(
+    --num-experts "$NUM_EXPERTS" --moe-router-topk "$TOPK"
+    --moe-ffn-hidden-size "${MOE_FFN:-256}" --moe-aux-loss-coeff 0.01
+)
+PARALLEL_ARGS=(
+    --tensor-model-parallel-size "$TP" --expert-model-parallel-size "$EP"
+    --expert-tensor-parallel-size "$ETP" --pipeline-model-parallel-size "$PP"
+)
+if [ "$TP" -gt 1 ]; then PARALLEL_ARGS+=(--sequence-parallel); fi
+TRAINING_ARGS=(
+    --micro-batch-size "${MBS:-4}" --global-batch-size "${GBS:-16}"
+    --train-iters "${TRAIN_ITERS:-300}" --lr "${LR:-2e-3}" --min-lr "${MIN_LR:-2e-4}"
+    --lr-warmup-iters "${WARMUP:-20}" --lr-decay-style cosine --clip-grad 1.0
+    --weight-decay 0.1 --seed "${SEED:-1234}"
+)
+DATA_ARGS=(
+    --data-path $DATA_PATH --split 969,30,1
+    --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER_MODEL"
+    --data-cache-path "$RUN_DIR/data_cache"
+)
+OUTPUT_ARGS=(
+    --log-interval "${LOG_INTERVAL:-10}" --eval-interval "${EVAL_INTERVAL:-100}"
+    --eval-iters "${EVAL_ITERS:-10}" --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints"
+    --save-interval "${SAVE_INTERVAL:-1000}" --tensorboard-dir "$RUN_DIR/tensorboard"
+)
+if [ -n "${WANDB_PROJECT:-}" ]; then
+    OUTPUT_ARGS+=(--wandb-project "$WANDB_PROJECT" --wandb-exp-name "${WANDB_EXP_NAME:-gpt_moe}")
+fi
+
+exec "$PYTHON" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" pretrain_gpt_moe.py \
+    "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" \
+    "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"

@@ -47,7 +47,11 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         bf16=args.bf16,
         params_dtype=args.params_dtype,
         pipeline_dtype=args.params_dtype,
-        calculate_per_token_loss=True,
+        # Per-micro-batch mean loss (Megatron-LM's default). megatron-core 0.16's per-token mode
+        # scales the router's aux loss by the *local* token count under sequence parallelism
+        # (router.py attach_and_log_load_balancing_loss) while normalising it by the global one,
+        # which weakens the aux-loss gradient by the MP size; the mean mode is layout-free.
+        calculate_per_token_loss=False,
         # Weights are built on the CPU and then overwritten by models.init, layout-free.
         use_cpu_initialization=True,
         # Fused CUDA kernels (Apex/TE) are optional; the torch paths run everywhere.

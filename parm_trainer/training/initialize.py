@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 
 import torch
 
@@ -30,11 +31,13 @@ def _check_inputs(args) -> None:
         raise InputError("--tokenizer-model is required")
     if not os.path.isfile(args.tokenizer_model):
         raise InputError(f"--tokenizer-model {args.tokenizer_model}: no such file")
-    prefixes = [p for p in args.data_path if not _is_number(p)]
-    for prefix in prefixes:
+    from parm_trainer.data.gpt_datasets import check_indexed_dataset
+
+    for prefix in (p for p in args.data_path if not _is_number(p)):
         for suffix in (".idx", ".bin"):
             if not os.path.isfile(prefix + suffix):
                 raise InputError(f"--data-path {prefix}: missing {prefix + suffix}")
+        check_indexed_dataset(prefix)  # a corrupt or truncated index fails here, on every rank
     if args.load and os.path.exists(args.load) and not os.path.isdir(args.load):
         raise InputError(f"--load {args.load} is not a directory")
 
@@ -82,7 +85,13 @@ def user_errors(*extra_types):
     try:
         yield
     except known as error:
-        if _rank() == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
+        # Rank 0 speaks at once. Other ranks wait a moment first: torchrun stops the whole job
+        # when rank 0 exits, so usually a single line appears; if rank 0 is slow to reach the
+        # same error, the first rank to finish waiting says it instead.
+        rank = _rank()
+        if rank != 0:
+            time.sleep(3.0)
+        prefix = "error" if rank == 0 else f"error (rank {rank})"
+        print(f"{prefix}: {error}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)  # no teardown: other ranks may already be gone

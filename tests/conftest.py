@@ -1,0 +1,91 @@
+"""Shared fixtures: a small real dataset built with the project's own tools, and a launcher
+that runs pretrain_gpt_moe.py under torchrun and reads back its per-iteration losses."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_tool(*args, timeout=300):
+    result = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="session")
+def gpt_data(tmp_path_factory):
+    """A 400 KB corpus of standard-library prose, a 2000-piece tokenizer, an indexed dataset."""
+    out = tmp_path_factory.mktemp("gpt_data")
+    run_tool("tools/make_demo_corpus.py", "--output", out / "corpus.jsonl", "--max-bytes", 400_000)
+    run_tool("tools/train_tokenizer.py", "--input", out / "corpus.jsonl", "--json-keys", "text",
+             "--output-prefix", out / "tokenizer", "--vocab-size", 2000)
+    run_tool("tools/preprocess_data.py", "--input", out / "corpus.jsonl", "--json-keys", "text",
+             "--output-prefix", out / "corpus", "--tokenizer-type", "SentencePieceTokenizer",
+             "--tokenizer-model", out / "tokenizer.model", "--append-eod", "--workers", 1)
+    return {"dir": out, "prefix": str(out / "corpus_text_document"),
+            "tokenizer": str(out / "tokenizer.model")}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    seconds: float
+    losses: list
+
+    def loss(self, name="lm loss"):
+        return [row[name] for row in self.losses]
+
+
+def tiny_gpt_args(data, **overrides) -> list:
+    """A tiny MoE GPT that trains a step in well under a second per rank."""
+    flags = {
+        "num-layers": 2, "hidden-size": 64, "num-attention-heads": 4, "seq-length": 64,
+        "max-position-embeddings": 64, "num-experts": 4, "moe-router-topk": 2,
+        "micro-batch-size": 2, "global-batch-size": 8, "lr": 1e-3, "lr-warmup-iters": 0,
+        "train-iters": 5, "log-interval": 1, "eval-interval": 1000, "eval-iters": 1,
+        "hidden-dropout": 0.0, "attention-dropout": 0.0, "split": "90,5,5",
+        "data-path": data["prefix"], "tokenizer-model": data["tokenizer"], "seed": 1234,
+    }
+    flags.update(overrides)
+    args = ["--disable-bias-linear"]
+    for key, value in flags.items():
+        if value is None:
+            continue
+        args.append(f"--{key}")
+        if value is not True:
+            args.append(str(value))
+    return args
+
+
+def launch(nproc: int, args: list, tmp_path: Path, timeout: float = 300,
+           script: str = "pretrain_gpt_moe.py") -> Run:
+    losses_json = tmp_path / f"losses_{time.monotonic_ns()}.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(free_port()), script, *args,
+               "--log-losses-json", str(losses_json)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    start = time.monotonic()
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                            env=env)
+    seconds = time.monotonic() - start
+    losses = json.loads(losses_json.read_text()) if losses_json.exists() else []
+    return Run(result.returncode, result.stdout + result.stderr, seconds, losses)

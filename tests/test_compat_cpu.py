@@ -1,0 +1,688 @@
+"""python -m pytest tests/test_compat_cpu.py -q
+
+Every patch in parm_trainer/compat/cpu.py is checked twice:
+
+* still needed: megatron-core without the patch still fails on this machine. These checks run
+  in a fresh interpreter (one subprocess for all of them, `unpatched_failures`) or, for the
+  collectives, in a two-rank gloo launch (`two_rank_run`), so the test process stays patched.
+* patched is right: after `cpu.apply()` the patched behaviour matches an independent reference.
+
+A patch that megatron-core no longer needs makes its "still needed" test fail: drop the patch
+(or the module from its list) together with the check.
+"""
+
+import importlib
+import inspect
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+import types
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from parm_trainer.compat import cpu
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # megatron.core: optional GPU extensions missing
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.utils import get_default_causal_mask
+    from megatron.core.utils import GlobalMemoryBuffer
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="cpu.apply() leaves megatron-core untouched where CUDA runs"
+)
+
+REPO = Path(__file__).resolve().parents[1]
+NO_CUDA = "Torch not compiled with CUDA enabled"
+
+# The test(s) covering each patch; test_every_patch_is_covered keeps this in step with PATCHES.
+COVERAGE = {
+    "patch_type_strings": ("test_type_strings_still_needed", "test_type_strings_patched"),
+    "patch_rng_tracker": ("test_rng_tracker_still_needed", "test_rng_tracker_patched"),
+    "patch_uneven_gather_scatter": (
+        "test_uneven_gather_still_needed",
+        "test_uneven_reduce_scatter_still_needed",
+        "test_uneven_gather_scatter_patched",
+    ),
+    "patch_split_sizes_to_numpy": (
+        "test_split_sizes_to_numpy_still_needed",
+        "test_split_sizes_to_numpy_patched",
+    ),
+    "patch_torch_norm_sequence_parallel": (
+        "test_torch_norm_sequence_parallel_still_needed",
+        "test_torch_norm_sequence_parallel_patched",
+    ),
+    "patch_cuda_device_streams_events": (
+        "test_cuda_device_streams_events_still_needed",
+        "test_cuda_device_streams_events_patched",
+    ),
+    "patch_cuda_literals": (
+        "test_cuda_literals_still_needed",
+        "test_cuda_literals_module_still_has_literal",
+        "test_cuda_literals_patched",
+    ),
+    "patch_moe_utils_te_general_gemm": (
+        "test_moe_utils_te_general_gemm_still_needed",
+        "test_moe_utils_te_general_gemm_patched",
+    ),
+}
+
+
+# --- megatron-core without the patches: one fresh interpreter ---------------------------------
+
+UNPATCHED_PROBE = r'''
+import json, traceback, types, warnings
+warnings.simplefilter("ignore")
+import torch
+import torch.distributed as dist
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+from megatron.core.optimizer.optimizer import FP32Optimizer
+from megatron.core.tensor_parallel import random as mrandom
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.utils import get_default_causal_mask
+from megatron.core.utils import GlobalMemoryBuffer, local_multi_tensor_l2_norm
+from parm_trainer.compat import cpu
+
+
+def failure(fn):
+    """'Type: message | megatron-core source line it failed at', or None when fn runs."""
+    try:
+        fn()
+    except Exception as exc:
+        frames = traceback.extract_tb(exc.__traceback__)
+        megatron = [f for f in frames if "/megatron/" in f.filename] or frames
+        return f"{type(exc).__name__}: {exc} | {megatron[-1].line}"
+    return None
+
+
+def fp32_param_with_grad():
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.ones(3)
+    return param
+
+
+def dispatcher_state():
+    """The attributes MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize reads."""
+    return types.SimpleNamespace(
+        drop_and_pad=False, cuda_dtoh_point="p", cuda_sync_point="p",
+        cuda_dtoh_stream=None, input_splits=torch.tensor([1, 2]),
+        output_splits=torch.tensor([2, 1]), output_splits_tp=None, num_out_tokens=3,
+        num_local_experts=1, config=types.SimpleNamespace(moe_permute_fusion=False),
+    )
+
+
+sp_config = TransformerConfig(
+    num_layers=1, hidden_size=8, num_attention_heads=2,
+    tensor_model_parallel_size=2, sequence_parallel=True,
+)
+errors = {
+    "rng_tracker_add": failure(lambda: mrandom.CudaRNGStatesTracker().add("probe", 1)),
+    "rng_manual_seed": failure(lambda: mrandom.model_parallel_cuda_manual_seed(
+        1, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True)),
+    "torch_norm_sequence_parallel": failure(lambda: WrappedTorchNorm(sp_config, 8)),
+    "current_device": failure(lambda: torch.cuda.current_device()),
+    "global_memory_buffer": failure(
+        lambda: GlobalMemoryBuffer().get_tensor((2,), torch.float, "probe")),
+    "stream": failure(lambda: torch.cuda.Stream()),
+    "event": failure(lambda: torch.cuda.Event()),
+    "synchronize": failure(lambda: torch.cuda.synchronize()),
+    "dtoh_and_synchronize": failure(lambda: MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize(
+        dispatcher_state(), "p")),
+    "causal_mask": failure(lambda: get_default_causal_mask(4)),
+    "fp32_optimizer": failure(lambda: FP32Optimizer(
+        torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1), OptimizerConfig(lr=0.1),
+        None)),
+    "l2_norm": failure(lambda: local_multi_tensor_l2_norm(1, None, [[torch.ones(2)]], False)),
+    "tensor_cuda": failure(lambda: torch.ones(2).cuda()),
+    "te_general_gemm": failure(lambda: moe_utils.RouterGatingLinearFunction.apply(
+        torch.ones(2, 4), torch.ones(3, 4), None, torch.float32)),
+    "clip_type_assert": failure(
+        lambda: clip_grad_by_total_norm_fp32([fp32_param_with_grad()], 1.0, 0.5)),
+}
+
+# The split sizes the dispatcher hands to all_to_all_single: streams and events patched (the
+# dispatcher needs them before it gets there), maybe_move_tensor_to_cpu not.
+cpu.patch_cuda_device_streams_events()
+state = dispatcher_state()
+state.cuda_dtoh_stream = torch.cuda.Stream()
+MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize(state, "p")
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+errors["all_to_all_split_sizes"] = failure(lambda: dist.all_to_all_single(
+    torch.empty(3), torch.ones(3), output_split_sizes=state.output_splits,
+    input_split_sizes=state.input_splits))
+dist.destroy_process_group()
+
+# A machine with CUDA: only the patch whose condition does not depend on CUDA applies.
+torch.cuda.is_available = lambda: True
+print(json.dumps({"errors": errors, "applied_with_cuda": cpu.apply()}))
+'''
+
+
+@pytest.fixture(scope="module")
+def unpatched_failures():
+    """The probe's result: {"errors": {check: error or None}, "applied_with_cuda": [...]}."""
+    proc = subprocess.run(
+        [sys.executable, "-c", UNPATCHED_PROBE],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def assert_fails(unpatched_failures, check, *fragments):
+    error = unpatched_failures["errors"][check]
+    assert error is not None, (
+        f"megatron-core no longer fails at '{check}': the patch may be unnecessary"
+    )
+    for fragment in fragments:
+        assert fragment in error, f"'{check}' fails differently now: {error}"
+
+
+# --- the test process, patched ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def patched():
+    return cpu.apply()
+
+
+@pytest.fixture(scope="module")
+def single_rank_gloo(patched):
+    """A one-rank gloo world, for megatron code that reduces over a process group."""
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    if created:
+        dist.destroy_process_group()
+
+
+def call_from_module(module_name, fn, *args):
+    """Call fn(*args) from a frame whose module is module_name."""
+    namespace = {"__name__": module_name, "fn": fn}
+    exec("def caller(*args):\n    return fn(*args)\n", namespace)
+    return namespace["caller"](*args)
+
+
+# --- patch_type_strings -----------------------------------------------------------------------
+
+
+def test_type_strings_still_needed(unpatched_failures):
+    """clip_grad_by_total_norm_fp32 asserts a CUDA type name for an fp32 CPU grad."""
+    assert_fails(
+        unpatched_failures, "clip_type_assert",
+        "AssertionError", "param.grad.type() == 'torch.cuda.FloatTensor'",
+    )
+
+
+@pytest.mark.parametrize("module_name", cpu.TYPE_STRING_MODULES)
+def test_type_strings_module_still_compares_cuda_names(module_name):
+    """Each listed module still compares Tensor.type() with a 'torch.cuda.*' name."""
+    source = inspect.getsource(importlib.import_module(module_name))
+    assert re.search(r"\.type\(\)\s*(==|in)\s*\[?\s*'torch\.cuda\.", source), (
+        f"{module_name} no longer compares .type() with a CUDA type name: "
+        "drop it from TYPE_STRING_MODULES"
+    )
+
+
+def test_type_strings_patched(patched):
+    """CUDA type names only when asked from a listed module; clipping then works on CPU."""
+    fp32, bf16 = torch.ones(2), torch.ones(2, dtype=torch.bfloat16)
+    assert fp32.type() == "torch.FloatTensor"
+    assert fp32.type(torch.float64).dtype == torch.float64  # the conversion form is unchanged
+    for module_name in cpu.TYPE_STRING_MODULES:
+        assert call_from_module(module_name, torch.Tensor.type, fp32) == "torch.cuda.FloatTensor"
+        assert call_from_module(module_name, torch.Tensor.type, bf16) == "torch.cuda.BFloat16Tensor"
+    unlisted = "megatron.core.optimizer"
+    assert call_from_module(unlisted, torch.Tensor.type, fp32) == "torch.FloatTensor"
+
+    # clip_grad_by_total_norm_fp32 scales each grad by max_norm / (total_norm + 1e-6).
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
+    grads = [torch.randn_like(p) * 10 for p in params]
+    for param, grad in zip(params, grads):
+        param.grad = grad.clone()
+    total_norm = torch.norm(torch.stack([g.norm() for g in grads])).item()
+    clip_grad_by_total_norm_fp32(params, 1.0, total_norm)
+    for param, grad in zip(params, grads):
+        torch.testing.assert_close(param.grad, grad * (1.0 / (total_norm + 1.0e-6)))
+
+
+# --- patch_rng_tracker ------------------------------------------------------------------------
+
+
+def test_rng_tracker_still_needed(unpatched_failures):
+    """CudaRNGStatesTracker.add and model_parallel_cuda_manual_seed read the CUDA RNG state."""
+    assert_fails(unpatched_failures, "rng_tracker_add", NO_CUDA, "torch.cuda.get_rng_state()")
+    assert_fails(unpatched_failures, "rng_manual_seed", NO_CUDA, "torch.cuda.get_rng_state()")
+
+
+def test_rng_tracker_patched(patched):
+    """Seeded streams are reproducible, continue across forks and leave the default stream alone."""
+    seed = 1234
+    mrandom.model_parallel_cuda_manual_seed(seed, tp_rank=0, ep_rank=0, etp_rank=0)
+    tracker = mrandom.get_cuda_rng_tracker()
+    assert getattr(type(tracker), "_parm_cpu", False)
+    names = {  # stream name: its seed, as model_parallel_cuda_manual_seed derives them
+        mrandom.get_data_parallel_rng_tracker_name(): seed,
+        mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME: seed + 2718,
+        mrandom.get_expert_parallel_rng_tracker_name(): seed + 1024,
+    }
+    assert set(tracker.get_states()) == set(names)
+
+    torch.manual_seed(7)
+    default_reference = torch.rand(6)
+    torch.manual_seed(7)
+    outside = [torch.rand(3)]
+    for name, stream_seed in names.items():
+        reference = torch.Generator().manual_seed(stream_seed)
+        with tracker.fork(name):
+            first = torch.rand(4)
+        with tracker.fork(name):
+            second = torch.rand(4)
+        assert torch.equal(first, torch.rand(4, generator=reference))
+        assert torch.equal(second, torch.rand(4, generator=reference))
+    outside.append(torch.rand(3))
+    assert torch.equal(torch.cat(outside), default_reference)
+
+    with pytest.raises(Exception, match="already exists"):
+        tracker.add("another", seed)
+    with pytest.raises(Exception, match="is not added"):
+        with tracker.fork("missing"):
+            pass
+
+
+# --- patch_uneven_gather_scatter (and the real all_to_all path of patch_split_sizes_to_numpy) ---
+
+TWO_RANK_SCRIPT = r'''
+import json, sys, warnings
+warnings.simplefilter("ignore")
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel import mappings
+from megatron.core.transformer.moe import moe_utils
+from parm_trainer.compat import cpu
+
+SIZES = [3, 5]          # uneven first-dim pieces: rank 0 holds 3 rows, rank 1 holds 5
+A2A = [[1, 2], [3, 1]]  # A2A[src][dst]: rows rank src sends to rank dst
+
+
+def piece(r):
+    return torch.arange(SIZES[r] * 2, dtype=torch.float).view(-1, 2) + 100 * (r + 1)
+
+
+def full(r):
+    return torch.arange(sum(SIZES) * 2, dtype=torch.float).view(-1, 2) * (r + 1) + r
+
+
+def a2a_input(r):
+    return torch.cat([torch.full((n, 2), 10.0 * r + dst) for dst, n in enumerate(A2A[r])])
+
+
+def outcome(fn, reference):
+    try:
+        result = fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "equal" if torch.equal(result, reference) else f"different: {result.tolist()}"
+
+
+dist.init_process_group("gloo")
+group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+start = sum(SIZES[:rank])
+gather_ref = torch.cat([piece(r) for r in range(world)])
+scatter_ref = sum(full(r) for r in range(world))[start:start + SIZES[rank]]
+a2a_ref = torch.cat([a2a_input(src).split(A2A[src])[rank] for src in range(world)])
+out_splits = [A2A[src][rank] for src in range(world)]
+
+original_gather = mappings._gather_along_first_dim
+original_scatter = mappings._reduce_scatter_along_first_dim
+original_move = moe_utils.maybe_move_tensor_to_cpu
+cpu.patch_cuda_device_streams_events()  # the original paths need torch.cuda.current_device()
+result = {
+    "unpatched_gather": outcome(
+        lambda: original_gather(piece(rank), group, output_split_sizes=SIZES), gather_ref),
+    "unpatched_scatter": outcome(
+        lambda: original_scatter(full(rank), group, input_split_sizes=SIZES), scatter_ref),
+    "unpatched_all_to_all": outcome(lambda: mappings.all_to_all(
+        group, a2a_input(rank),
+        original_move(torch.tensor(out_splits), as_numpy=True),
+        original_move(torch.tensor(A2A[rank]), as_numpy=True)), a2a_ref),
+}
+
+result["applied"] = cpu.apply()
+result["gather"] = outcome(
+    lambda: mappings._gather_along_first_dim(piece(rank), group, output_split_sizes=SIZES),
+    gather_ref)
+result["scatter"] = outcome(
+    lambda: mappings._reduce_scatter_along_first_dim(full(rank), group, input_split_sizes=SIZES),
+    scatter_ref)
+result["gather_even"] = outcome(
+    lambda: mappings._gather_along_first_dim(full(rank), group),
+    torch.cat([full(r) for r in range(world)]))
+result["scatter_even"] = outcome(
+    lambda: mappings._reduce_scatter_along_first_dim(full(rank)[:4], group),
+    sum(full(r)[:4] for r in range(world))[2 * rank:2 * rank + 2])
+result["all_to_all"] = outcome(lambda: mappings.all_to_all(
+    group, a2a_input(rank),
+    moe_utils.maybe_move_tensor_to_cpu(torch.tensor(out_splits), as_numpy=True),
+    moe_utils.maybe_move_tensor_to_cpu(torch.tensor(A2A[rank]), as_numpy=True)), a2a_ref)
+
+# The MoE path: gather with uneven sizes forward, reduce-scatter of the gradient backward.
+x = piece(rank).requires_grad_()
+weight = torch.arange(sum(SIZES) * 2, dtype=torch.float).view(-1, 2)
+y = mappings.gather_from_sequence_parallel_region(x, group=group, output_split_sizes=SIZES)
+(y * weight).sum().backward()
+result["sequence_parallel_forward"] = (
+    "equal" if torch.equal(y.detach(), gather_ref) else f"different: {y.tolist()}")
+result["sequence_parallel_backward"] = (
+    "equal" if torch.equal(x.grad, world * weight[start:start + SIZES[rank]]) else
+    f"different: {x.grad.tolist()}")
+
+with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
+    json.dump(result, f)
+dist.destroy_process_group()
+'''
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    """Run TWO_RANK_SCRIPT on two gloo ranks; its per-rank results."""
+    tmp = tmp_path_factory.mktemp("two_rank")
+    script = tmp / "two_rank.py"
+    script.write_text(TWO_RANK_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+         str(script), str(tmp)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_uneven_gather_still_needed(two_rank_run):
+    """megatron's uneven _gather_along_first_dim: gloo rejects pieces of different sizes."""
+    for rank in two_rank_run:
+        assert "ProcessGroupGloo::allgather: invalid tensor size" in rank["unpatched_gather"], (
+            f"uneven all_gather no longer fails on gloo: {rank['unpatched_gather']}"
+        )
+
+
+def test_uneven_reduce_scatter_still_needed(patched, two_rank_run):
+    """If cpu.py replaces _reduce_scatter_along_first_dim, megatron's own must fail on gloo."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.tensor_parallel import mappings
+    if not getattr(mappings._reduce_scatter_along_first_dim, "__module__", "").startswith(
+        "parm_trainer"
+    ):
+        pytest.skip("cpu.py leaves megatron's _reduce_scatter_along_first_dim in place")
+    for rank in two_rank_run:
+        assert rank["unpatched_scatter"] != "equal", (
+            "megatron's uneven _reduce_scatter_along_first_dim gives the right result on gloo "
+            "unpatched: the reduce-scatter half of patch_uneven_gather_scatter is unnecessary"
+        )
+
+
+def test_uneven_gather_scatter_patched(two_rank_run):
+    """Patched, uneven and even gather / reduce-scatter match the hand-computed references."""
+    for rank in two_rank_run:
+        assert "patch_uneven_gather_scatter" in rank["applied"]
+        for check in ("gather", "scatter", "gather_even", "scatter_even",
+                      "sequence_parallel_forward", "sequence_parallel_backward"):
+            assert rank[check] == "equal", f"{check}: {rank[check]}"
+
+
+# --- patch_split_sizes_to_numpy ---------------------------------------------------------------
+
+
+def test_split_sizes_to_numpy_still_needed(unpatched_failures, two_rank_run):
+    """The dispatcher's split sizes stay tensors on CPU and all_to_all_single rejects them."""
+    assert_fails(unpatched_failures, "all_to_all_split_sizes", "TypeError", "all_to_all_single")
+    for rank in two_rank_run:
+        assert rank["unpatched_all_to_all"].startswith("TypeError"), rank["unpatched_all_to_all"]
+
+
+def test_split_sizes_to_numpy_patched(patched, two_rank_run):
+    """maybe_move_tensor_to_cpu gives numpy split sizes; all_to_all then moves the right rows."""
+    splits = torch.tensor([3, 0, 5])
+    as_numpy = moe_utils.maybe_move_tensor_to_cpu(splits, as_numpy=True)
+    assert isinstance(as_numpy, np.ndarray) and as_numpy.tolist() == [3, 0, 5]
+    assert moe_utils.maybe_move_tensor_to_cpu(splits) is splits
+    assert moe_utils.maybe_move_tensor_to_cpu(None, as_numpy=True) is None
+
+    state = types.SimpleNamespace(
+        drop_and_pad=False, cuda_dtoh_point="p", cuda_sync_point="p",
+        cuda_dtoh_stream=torch.cuda.Stream(), input_splits=torch.tensor([1, 2]),
+        output_splits=torch.tensor([2, 1]), output_splits_tp=None, num_out_tokens=3,
+        num_local_experts=1, config=types.SimpleNamespace(moe_permute_fusion=False),
+    )
+    tokens_per_expert = torch.tensor([3])
+    out = MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize(state, "p", tokens_per_expert)
+    assert out is tokens_per_expert
+    assert isinstance(state.input_splits, np.ndarray) and state.input_splits.tolist() == [1, 2]
+    assert isinstance(state.output_splits, np.ndarray) and state.output_splits.tolist() == [2, 1]
+    for rank in two_rank_run:
+        assert rank["all_to_all"] == "equal", rank["all_to_all"]
+
+
+# --- patch_torch_norm_sequence_parallel -------------------------------------------------------
+
+
+def sequence_parallel_config(normalization="LayerNorm"):
+    return TransformerConfig(
+        num_layers=1, hidden_size=8, num_attention_heads=2, normalization=normalization,
+        tensor_model_parallel_size=2, sequence_parallel=True,
+    )
+
+
+def test_torch_norm_sequence_parallel_still_needed(unpatched_failures):
+    """WrappedTorchNorm refuses a config with sequence_parallel=True."""
+    assert_fails(
+        unpatched_failures, "torch_norm_sequence_parallel",
+        "AssertionError", "sequence parallel not supported by torch LayerNorm",
+    )
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_torch_norm_sequence_parallel_patched(patched, normalization):
+    """Under sequence parallelism: the torch norm, params marked sequence_parallel, same output."""
+    config = sequence_parallel_config(normalization)
+    norm = WrappedTorchNorm(config, 8, eps=1e-5)
+    assert config.sequence_parallel  # the caller's config is left as it was
+    expected_class = torch.nn.LayerNorm if normalization == "LayerNorm" else torch.nn.RMSNorm
+    assert type(norm) is expected_class
+    params = list(norm.parameters())
+    assert params and all(getattr(p, "sequence_parallel", False) for p in params)
+
+    with torch.no_grad():
+        for param in params:
+            param.uniform_(0.5, 1.5)
+    x = torch.randn(5, 3, 8)
+    if normalization == "LayerNorm":
+        reference = torch.nn.functional.layer_norm(x, (8,), norm.weight, norm.bias, 1e-5)
+    else:
+        reference = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight
+    torch.testing.assert_close(norm(x), reference)
+
+    plain = WrappedTorchNorm(
+        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2), 8
+    )
+    assert not any(getattr(p, "sequence_parallel", False) for p in plain.parameters())
+
+
+# --- patch_cuda_device_streams_events ---------------------------------------------------------
+
+
+def test_cuda_device_streams_events_still_needed(unpatched_failures):
+    """torch.cuda's device, streams, events and synchronize fail, and megatron calls them."""
+    assert_fails(unpatched_failures, "current_device", NO_CUDA)
+    assert_fails(unpatched_failures, "global_memory_buffer", NO_CUDA, "torch.cuda.current_device()")
+    assert_fails(unpatched_failures, "stream", "torch.cuda.Stream requires CUDA support")
+    assert_fails(unpatched_failures, "event", "dummy base class Event")
+    assert_fails(unpatched_failures, "synchronize", NO_CUDA)
+    assert_fails(unpatched_failures, "dtoh_and_synchronize", NO_CUDA, "current_stream")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.transformer.moe import token_dispatcher
+    assert "torch.cuda.Stream()" in inspect.getsource(token_dispatcher.MoEAlltoAllTokenDispatcher)
+
+
+def test_cuda_device_streams_events_patched(patched):
+    """The current device is the CPU; null streams and events accept megatron's calls."""
+    assert torch.cuda.current_device() == torch.device("cpu")
+    buffer = GlobalMemoryBuffer().get_tensor((2, 3), torch.float, "probe")
+    assert buffer.shape == (2, 3) and buffer.device.type == "cpu"
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        value = torch.ones(2) * 2
+    event = stream.record_event()
+    event.synchronize()
+    assert event.query() and stream.query()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    end.record()
+    end.wait(torch.cuda.default_stream())
+    assert start.elapsed_time(end) == 0.0
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert torch.equal(value, torch.tensor([2.0, 2.0]))
+
+
+# --- patch_cuda_literals ----------------------------------------------------------------------
+
+CUDA_LITERAL = re.compile(r"""device\s*=\s*['"]cuda['"]|\.cuda\(""")
+
+
+def test_cuda_literals_still_needed(unpatched_failures):
+    """megatron's device='cuda' factories and .cuda() fail on CPU."""
+    assert_fails(unpatched_failures, "causal_mask", NO_CUDA, 'device="cuda"')
+    assert_fails(unpatched_failures, "fp32_optimizer", NO_CUDA, "device='cuda'")
+    assert_fails(unpatched_failures, "l2_norm", NO_CUDA, 'device="cuda"')
+    assert_fails(unpatched_failures, "tensor_cuda", NO_CUDA)
+
+
+@pytest.mark.parametrize("module_name", cpu.CUDA_LITERAL_MODULES)
+def test_cuda_literals_module_still_has_literal(patched, module_name):
+    """Each listed module still has a 'cuda' device literal or .cuda(), and sees the CPU proxy."""
+    module = importlib.import_module(module_name)
+    assert CUDA_LITERAL.search(inspect.getsource(module)), (
+        f"{module_name} has no device='cuda' literal or .cuda() any more: "
+        "drop it from CUDA_LITERAL_MODULES"
+    )
+    assert isinstance(module.torch, cpu._CpuTorch)
+    assert module.torch.zeros(2, device="cuda").device.type == "cpu"
+    pinned = module.torch.tensor([1.0], device=torch.device("cuda"), pin_memory=True)
+    assert pinned.device.type == "cpu"
+    assert module.torch.nn is torch.nn
+
+
+def test_cuda_literals_patched(patched, single_rank_gloo):
+    """Listed modules make CPU tensors; torch elsewhere is untouched; FP32Optimizer steps on CPU."""
+    assert torch.equal(get_default_causal_mask(5), torch.triu(torch.ones(5, 5), diagonal=1).bool())
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.zeros(1, device="cuda")  # only the listed modules see the proxy
+    t = torch.ones(2)
+    assert t.cuda() is t
+
+    # FP32Optimizer with gradient clipping against torch's clip_grad_norm_ and SGD by hand.
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
+    grads = [torch.randn_like(p) * 10 for p in params]
+    reference = [p.detach().clone().requires_grad_() for p in params]
+    for param, ref, grad in zip(params, reference, grads):
+        param.grad, ref.grad = grad.clone(), grad.clone()
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference, max_norm=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        optimizer = FP32Optimizer(
+            torch.optim.SGD(params, lr=0.1), OptimizerConfig(lr=0.1, clip_grad=1.0), None
+        )
+    optimizer.tp_group = optimizer.grad_stats_parallel_group = single_rank_gloo
+    assert torch.equal(optimizer.get_loss_scale(), torch.tensor([1.0]))
+    success, grad_norm, _ = optimizer.step()
+    assert success
+    assert grad_norm == pytest.approx(ref_norm.item(), rel=1e-5)
+    for param, ref in zip(params, reference):
+        torch.testing.assert_close(param.detach(), (ref - 0.1 * ref.grad).detach())
+
+
+# --- patch_moe_utils_te_general_gemm ----------------------------------------------------------
+
+
+def test_moe_utils_te_general_gemm_still_needed(unpatched_failures):
+    """Without Transformer Engine, the router's gating linear hits an undefined name."""
+    assert_fails(
+        unpatched_failures, "te_general_gemm", "NameError", "te_general_gemm",
+    )
+
+
+def test_moe_utils_te_general_gemm_patched(patched):
+    """te_general_gemm is None, so the router's gating linear is a plain matmul."""
+    assert moe_utils.te_general_gemm is None
+    assert not cpu.te_general_gemm_missing()
+    inp = torch.randn(2, 3, 4, requires_grad=True)
+    weight = torch.randn(5, 4, requires_grad=True)
+    out = moe_utils.RouterGatingLinearFunction.apply(inp, weight, None, torch.float32)
+    torch.testing.assert_close(out, inp @ weight.t())
+    out.sum().backward()
+    torch.testing.assert_close(inp.grad, torch.ones(2, 3, 5) @ weight.detach())
+
+
+# --- apply() ----------------------------------------------------------------------------------
+
+
+def test_apply_is_idempotent(patched):
+    """A second apply() applies nothing new and returns the same names."""
+    proxy, stream_class = moe_utils.torch, torch.cuda.Stream
+    assert cpu.apply() == patched
+    assert sorted(patched) == sorted(p.__name__ for p, _ in cpu.PATCHES)
+    assert moe_utils.torch is proxy and torch.cuda.Stream is stream_class
+
+
+def test_apply_with_cuda_available(unpatched_failures, monkeypatch):
+    """With CUDA available only the te_general_gemm patch (needed on any GPU without TE) applies."""
+    assert unpatched_failures["applied_with_cuda"] == ["patch_moe_utils_te_general_gemm"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for patch, needed in cpu.PATCHES:
+        if needed is cpu.cuda_missing:
+            assert not needed(), patch.__name__
+
+
+def test_every_patch_is_covered():
+    """Each entry of PATCHES has its tests here, and each of those tests exists."""
+    assert set(COVERAGE) == {patch.__name__ for patch, _ in cpu.PATCHES}
+    defined = {name for name, obj in globals().items() if name.startswith("test_")}
+    for patch, tests in COVERAGE.items():
+        missing = set(tests) - defined
+        assert not missing, f"{patch}: {missing}"

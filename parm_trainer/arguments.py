@@ -143,6 +143,8 @@ def _check(args) -> None:
     if args.lr_warmup_iters and args.lr_warmup_iters >= args.lr_decay_iters:
         raise ArgumentsError(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than "
                              f"--lr-decay-iters {args.lr_decay_iters} (default --train-iters)")
+    if args.use_distributed_optimizer and args.optimizer != "adam":
+        raise ArgumentsError("--use-distributed-optimizer supports --optimizer adam only")
     if args.train_iters < 1:
         raise ArgumentsError("--train-iters must be at least 1")
     for flag in ("log_interval", "eval_interval"):

@@ -55,9 +55,9 @@ NO_CUDA = "Torch not compiled with CUDA enabled"
 COVERAGE = {
     "patch_type_strings": ("test_type_strings_still_needed", "test_type_strings_patched"),
     "patch_rng_tracker": ("test_rng_tracker_still_needed", "test_rng_tracker_patched"),
-    "patch_uneven_gather_scatter": (
+    "patch_uneven_all_gather": (
         "test_uneven_gather_still_needed",
-        "test_uneven_reduce_scatter_still_needed",
+        "test_uneven_reduce_scatter_works_unpatched",
         "test_uneven_gather_scatter_patched",
     ),
     "patch_split_sizes_to_numpy": (
@@ -312,7 +312,7 @@ def test_rng_tracker_patched(patched):
             pass
 
 
-# --- patch_uneven_gather_scatter (and the real all_to_all path of patch_split_sizes_to_numpy) ---
+# --- patch_uneven_all_gather (and the real all_to_all path of patch_split_sizes_to_numpy) ---
 
 TWO_RANK_SCRIPT = r'''
 import json, sys, warnings
@@ -436,26 +436,16 @@ def test_uneven_gather_still_needed(two_rank_run):
         )
 
 
-def test_uneven_reduce_scatter_still_needed(patched, two_rank_run):
-    """If cpu.py replaces _reduce_scatter_along_first_dim, megatron's own must fail on gloo."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core.tensor_parallel import mappings
-    if not getattr(mappings._reduce_scatter_along_first_dim, "__module__", "").startswith(
-        "parm_trainer"
-    ):
-        pytest.skip("cpu.py leaves megatron's _reduce_scatter_along_first_dim in place")
+def test_uneven_reduce_scatter_works_unpatched(two_rank_run):
+    """Gloo handles megatron's uneven reduce-scatter itself, so cpu.py must leave it alone."""
     for rank in two_rank_run:
-        assert rank["unpatched_scatter"] != "equal", (
-            "megatron's uneven _reduce_scatter_along_first_dim gives the right result on gloo "
-            "unpatched: the reduce-scatter half of patch_uneven_gather_scatter is unnecessary"
-        )
+        assert rank["unpatched_scatter"] == "equal", rank["unpatched_scatter"]
 
 
 def test_uneven_gather_scatter_patched(two_rank_run):
     """Patched, uneven and even gather / reduce-scatter match the hand-computed references."""
     for rank in two_rank_run:
-        assert "patch_uneven_gather_scatter" in rank["applied"]
+        assert "patch_uneven_all_gather" in rank["applied"]
         for check in ("gather", "scatter", "gather_even", "scatter_even",
                       "sequence_parallel_forward", "sequence_parallel_backward"):
             assert rank[check] == "equal", f"{check}: {rank[check]}"

@@ -182,7 +182,6 @@ CUDA_LITERAL_MODULES = (
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.grad_scaler",
-    "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.dist_checkpointing.exchange_utils",
@@ -277,14 +276,13 @@ def patch_split_sizes_to_numpy() -> None:
         module.maybe_move_tensor_to_cpu = _move_tensor_to_cpu
 
 
-# --- 7. uneven AllGather / ReduceScatter on gloo ------------------------------------------
-# megatron/core/tensor_parallel/mappings.py: _gather_along_first_dim(output_split_sizes=...) and
-# _reduce_scatter_along_first_dim(input_split_sizes=...) call torch.distributed.all_gather /
-# reduce_scatter with tensors of different sizes per rank. The MoE dispatchers use them with
-# sequence parallelism (gather_from_sequence_parallel_region with uneven token counts). Gloo
-# requires equal sizes ("ProcessGroupGloo::allgather: invalid tensor size"). The fallback pads
-# to the largest piece and gathers, or all-reduces and keeps this rank's piece: same result,
-# more bytes, which is acceptable on CPU where nothing is timed against NCCL.
+# --- 7. uneven AllGather on gloo -------------------------------------------------------------
+# megatron/core/tensor_parallel/mappings.py: _gather_along_first_dim(output_split_sizes=...)
+# calls torch.distributed.all_gather with pieces of different sizes per rank; the MoE
+# dispatchers use it under sequence parallelism (gather_from_sequence_parallel_region with
+# uneven token counts). Gloo requires equal sizes ("ProcessGroupGloo::allgather: invalid tensor
+# size"). The fallback pads every piece to the largest, gathers, and trims: same result, a few
+# more bytes. (The uneven reduce_scatter beside it works on gloo and is left alone.)
 
 
 def _uneven_all_gather(input_, group, sizes):
@@ -299,21 +297,10 @@ def _uneven_all_gather(input_, group, sizes):
     return torch.cat([piece[:size] for piece, size in zip(pieces, sizes)], dim=0)
 
 
-def _uneven_reduce_scatter(input_, group, sizes):
-    world = torch.distributed.get_world_size(group)
-    if world == 1:
-        return input_
-    total = input_.clone().contiguous()
-    torch.distributed.all_reduce(total, group=group)
-    rank = torch.distributed.get_rank(group)
-    start = sum(sizes[:rank])
-    return total[start : start + sizes[rank]].contiguous()
-
-
-def patch_uneven_gather_scatter() -> None:
+def patch_uneven_all_gather() -> None:
     from megatron.core.tensor_parallel import mappings
 
-    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+    gather = mappings._gather_along_first_dim
     if getattr(gather, "_parm_cpu", False):
         return
 
@@ -322,16 +309,8 @@ def patch_uneven_gather_scatter() -> None:
             return gather(input_, group, None, use_global_buffer)
         return _uneven_all_gather(input_, group, list(output_split_sizes))
 
-    def reduce_scatter_along_first_dim(
-        input_, group, input_split_sizes=None, use_global_buffer=False
-    ):
-        if input_split_sizes is None:
-            return scatter(input_, group, None, use_global_buffer)
-        return _uneven_reduce_scatter(input_, group, list(input_split_sizes))
-
     gather_along_first_dim._parm_cpu = True
     mappings._gather_along_first_dim = gather_along_first_dim
-    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
 
 
 # --- 8. type-string asserts ------------------------------------------------------------------
@@ -372,7 +351,7 @@ def patch_type_strings() -> None:
 PATCHES = [
     (patch_type_strings, cuda_missing),
     (patch_rng_tracker, cuda_missing),
-    (patch_uneven_gather_scatter, cuda_missing),
+    (patch_uneven_all_gather, cuda_missing),
     (patch_split_sizes_to_numpy, cuda_missing),
     (patch_torch_norm_sequence_parallel, cuda_missing),
     (patch_cuda_device_streams_events, cuda_missing),

@@ -21,7 +21,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel import random as mrandom
 
 TRACKER = "latest_checkpointed_iteration.txt"
-OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 class CheckpointError(RuntimeError):
@@ -76,7 +76,7 @@ def _sharded_state(model, optimizer, scheduler, extra: dict, with_optimizer: boo
     model_state = {}
     for index, chunk in enumerate(model):
         key = "model" if len(model) == 1 else f"model{index}"
-        state[key] = chunk.sharded_state_dict()
+        state[key] = getattr(chunk, "module", chunk).sharded_state_dict()  # without DDP's prefix
         model_state.update(state[key])
     if with_optimizer:
         state["optimizer"] = optimizer.sharded_state_dict(
@@ -95,7 +95,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     torch.distributed.barrier()
-    extra = {"iteration": iteration, "consumed_train_samples": consumed_train_samples}
+    extra = {"iteration": iteration, "consumed_train_samples": consumed_train_samples,
+             "adam_step": adam_step(optimizer)}
     state = _sharded_state(model, optimizer, scheduler, extra, True, is_loading=False)
     dist_checkpointing.save(state, tmp)
     torch.distributed.barrier()
@@ -112,6 +113,41 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
     return final
 
 
+def _adam_optimizers(optimizer):
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = getattr(inner, "optimizer", None)
+        if isinstance(torch_optimizer, torch.optim.Adam):
+            yield torch_optimizer
+
+
+def adam_step(optimizer) -> int:
+    """How many updates Adam has applied (its bias correction depends on it)."""
+    steps = [float(state["step"]) for adam in _adam_optimizers(optimizer)
+             for state in adam.state.values() if "step" in state]
+    return int(max(steps)) if steps else 0
+
+
+def _set_adam_state(optimizer, step: int, placeholders: bool) -> None:
+    """Write Adam's step into every parameter's state, each its own tensor.
+
+    Before a load (placeholders=True) Adam has no state at all, yet
+    DistributedOptimizer.state_dict() asserts one common 'step', so zero moments are put in
+    as placeholders for dist_checkpointing to overwrite. After a load the step is written again:
+    without Apex/TE the distributed optimizer's sharded formats do not restore it (it comes back
+    as the placeholder) and its load_state_dict shares one step tensor between parameters,
+    which torch's Adam would then advance once per parameter per iteration.
+    """
+    for adam in _adam_optimizers(optimizer):
+        for group in adam.param_groups:
+            for param in group["params"]:
+                state = adam.state[param]
+                if placeholders and not state:
+                    state["exp_avg"] = torch.zeros_like(param)
+                    state["exp_avg_sq"] = torch.zeros_like(param)
+                if state:
+                    state["step"] = torch.tensor(float(step))
+
+
 def load_checkpoint(root: str, model, optimizer, scheduler, load_optimizer: bool = True):
     """Load the latest checkpoint under `root` in place; returns (iteration, consumed samples).
 
@@ -123,16 +159,26 @@ def load_checkpoint(root: str, model, optimizer, scheduler, load_optimizer: bool
     path = iteration_dir(root, iteration)
     if not os.path.isfile(os.path.join(path, "metadata.json")):
         raise CheckpointError(f"--load {root}: {path} is missing or incomplete")
-    template = _sharded_state(model, optimizer, scheduler, {}, load_optimizer, is_loading=True)
     try:
+        step = int(dist_checkpointing.load_common_state_dict(path).get("adam_step", 0))
+        if load_optimizer:
+            _set_adam_state(optimizer, step, placeholders=True)
+        template = _sharded_state(model, optimizer, scheduler, {}, load_optimizer,
+                                  is_loading=True)
         loaded = dist_checkpointing.load(template, path)
     except Exception as error:  # dist_checkpointing raises many kinds; one clear message
         raise CheckpointError(f"--load {path}: cannot read checkpoint ({type(error).__name__}: "
-                              f"{str(error).splitlines()[0][:300]})") from error
+                              f"{str(error).splitlines()[0][:300] if str(error) else ''})"
+                              ) from error
     for index, chunk in enumerate(model):
-        chunk.load_state_dict(loaded["model" if len(model) == 1 else f"model{index}"])
+        unwrapped = getattr(chunk, "module", chunk)  # DDP wraps the megatron module
+        unwrapped.load_state_dict(loaded["model" if len(model) == 1 else f"model{index}"])
     if load_optimizer:
-        optimizer.load_state_dict(loaded["optimizer"])
+        # In fp32 the distributed optimizer's main params are views of the model's leaf params;
+        # its in-place copies need no_grad (with bf16 they are separate fp32 tensors).
+        with torch.no_grad():
+            optimizer.load_state_dict(loaded["optimizer"])
+        _set_adam_state(optimizer, step, placeholders=False)
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     _restore_rng(loaded["rng_state"])
     return int(loaded["iteration"]), int(loaded["consumed_train_samples"])

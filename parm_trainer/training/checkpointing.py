@@ -19,6 +19,7 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel import random as mrandom
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 TRACKER = "latest_checkpointed_iteration.txt"
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -148,6 +149,16 @@ def _set_adam_state(optimizer, step: int, placeholders: bool) -> None:
                     state["step"] = torch.tensor(float(step))
 
 
+def _describe(error: BaseException) -> str:
+    failures = getattr(error, "failures", None)  # CheckpointException: rank -> exception
+    if failures:
+        error = next(iter(failures.values()))
+        if isinstance(error, tuple):  # (exception, traceback frames)
+            error = error[0]
+    text = str(error).splitlines()[0][:300] if str(error) else "unreadable or truncated shard"
+    return f"{type(error).__name__}: {text}"
+
+
 def load_checkpoint(root: str, model, optimizer, scheduler, load_optimizer: bool = True):
     """Load the latest checkpoint under `root` in place; returns (iteration, consumed samples).
 
@@ -166,9 +177,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, load_optimizer: bool
         template = _sharded_state(model, optimizer, scheduler, {}, load_optimizer,
                                   is_loading=True)
         loaded = dist_checkpointing.load(template, path)
-    except Exception as error:  # dist_checkpointing raises many kinds; one clear message
-        raise CheckpointError(f"--load {path}: cannot read checkpoint ({type(error).__name__}: "
-                              f"{str(error).splitlines()[0][:300] if str(error) else ''})"
+    except (Exception, CheckpointException) as error:  # many kinds; one clear message
+        raise CheckpointError(f"--load {path}: cannot read checkpoint ({_describe(error)})"
                               ) from error
     for index, chunk in enumerate(model):
         unwrapped = getattr(chunk, "module", chunk)  # DDP wraps the megatron module

@@ -94,4 +94,15 @@ def user_errors(*extra_types):
         prefix = "error" if rank == 0 else f"error (rank {rank})"
         print(f"{prefix}: {error}", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        _stop_child_processes()
         os._exit(1)  # no teardown: other ranks may already be gone
+
+
+def _stop_child_processes() -> None:
+    """End helpers this rank started (dist_checkpointing's multiprocessing manager): os._exit
+    skips their shutdown, and an orphan would hold the launcher's output pipe open."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.kill()

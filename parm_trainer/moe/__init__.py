@@ -1,0 +1,1 @@
+"""Parm MoE layer: communication schedules as plans, collectives, cost model and executor."""

@@ -1,0 +1,386 @@
+"""Autograd-aware collectives for the MoE layer, with per-rank byte accounting.
+
+Every op takes a torch.distributed process group and a short name for it ("ep", "esp", "mp")
+that the accounting uses. A group of size 1 (or None) makes the op the identity in both
+directions and records nothing. Each op is a torch.autograd.Function whose backward is the
+exact dual of its forward:
+
+    all_to_all(x)                  backward: all_to_all
+    all_gather(x, dim)             backward: reduce_scatter (each rank uses the result its own way)
+    reduce_scatter(x, dim)         backward: all_gather
+    all_reduce(x)                  backward: identity (a replicated sum has a replicated grad)
+    split(x, dim)                  backward: all_gather            (forward sends nothing)
+    gather(x, dim)                 backward: split (no comm; every rank uses the result alike)
+    copy_to(x)                     backward: all_reduce            (forward sends nothing)
+    all_to_all_then_all_gather     backward: reduce_scatter then all_to_all, pipelined
+    reduce_scatter_then_all_to_all backward: all_to_all then all_gather, pipelined
+
+The two pairs are Parm's overlapped collective: x is cut into chunks along a non-zero dim and
+the first collective of chunk i+1 runs (on its own group) while the second collective of chunk
+i is in flight. Their result has exactly the layout of the unchunked composition.
+
+Byte accounting. LEDGER records what THIS rank sends and receives over the network for a group
+of W ranks (data that stays on the rank is not counted; ring volumes):
+
+    alltoall       input of B bytes (W blocks of B/W)   sent = received = B * (W-1) / W
+    allgather      local piece of b bytes               sent = received = b * (W-1)
+    reducescatter  input of B bytes (W blocks of B/W)   sent = received = B * (W-1) / W
+    allreduce      tensor of B bytes                    sent = received = 2 * B * (W-1) / W
+
+(the AllReduce figure is rounded down to whole bytes). Entries are keyed kind/group/phase,
+phase being "forward" or "backward". An overlapped pair records its two collectives
+separately, once per call with the bytes of all chunks, so a plan's totals are the same
+whether its pairs run overlapped or not.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+KINDS = ("alltoall", "allgather", "reducescatter", "allreduce")
+PHASES = ("forward", "backward")
+
+
+class CommLedger:
+    """Bytes this rank sent and received, keyed (kind, group name, phase)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()  # backward may run on autograd's device threads
+        self._rows: dict[tuple[str, str, str], dict[str, int]] = {}
+
+    def record(self, kind, group_name, sent_bytes, received_bytes, phase="forward"):
+        if kind not in KINDS or phase not in PHASES:
+            raise ValueError(f"unknown collective kind {kind!r} or phase {phase!r}")
+        with self._lock:
+            row = self._rows.setdefault((kind, group_name, phase),
+                                        {"sent": 0, "received": 0, "calls": 0})
+            row["sent"] += int(sent_bytes)
+            row["received"] += int(received_bytes)
+            row["calls"] += 1
+
+    def reset(self):
+        with self._lock:
+            self._rows.clear()
+
+    def totals(self, phase=None, per_phase=False):
+        """{"kind/group": {"sent", "received", "calls"}}, summed over both phases or only
+        `phase`; per_phase=True keys the rows "kind/group/phase" instead."""
+        return self._sum(lambda k, g, p: f"{k}/{g}/{p}" if per_phase else f"{k}/{g}", phase)
+
+    def by_kind(self, phase=None):
+        """{"kind": {"sent", "received", "calls"}}, summed over groups (and phases)."""
+        return self._sum(lambda k, g, p: k, phase)
+
+    def _sum(self, key_of, phase):
+        if phase is not None and phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}")
+        out: dict[str, dict[str, int]] = {}
+        with self._lock:
+            for (kind, group, row_phase), row in self._rows.items():
+                if phase is None or row_phase == phase:
+                    acc = out.setdefault(key_of(kind, group, row_phase),
+                                         {"sent": 0, "received": 0, "calls": 0})
+                    for field in acc:
+                        acc[field] += row[field]
+        return out
+
+
+LEDGER = CommLedger()
+
+
+# --- groups, layouts and the raw (asynchronous) collectives --------------------------------
+
+def group_size(group) -> int:
+    """Ranks in `group`; None (or no initialised process group) counts as a group of one."""
+    if group is None or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+class _Done:
+    """The handle of a collective that needed no communication (a group of one)."""
+
+    def wait(self):
+        return True
+
+
+def _check_divisible(size, world, what):
+    if size % world:
+        raise ValueError(f"{what}: size {size} does not divide into {world} equal blocks")
+
+
+def _blocks(x, dim, world):
+    """x cut into `world` equal blocks along dim, stacked on a new dim 0 (contiguous)."""
+    _check_divisible(x.shape[dim], world, "blocks")
+    return x.unflatten(dim, (world, -1)).movedim(dim, 0).contiguous()
+
+
+def _unblock(stacked, dim):
+    """Inverse of _blocks: the blocks of stacked dim 0 concatenated along dim."""
+    return stacked.movedim(0, dim).flatten(dim, dim + 1)
+
+
+def _issue_all_to_all(x, group):
+    """Start an AlltoAll of x's dim-0 blocks; returns (handle, output)."""
+    world = group_size(group)
+    if world == 1:
+        return _Done(), x
+    _check_divisible(x.shape[0], world, "all_to_all dim 0")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    return dist.all_to_all_single(out, x, group=group, async_op=True), out
+
+
+def _issue_all_gather(x, group):
+    """Start an AllGather of x; returns (handle, output stacked as (W, *x.shape))."""
+    world = group_size(group)
+    if world == 1:
+        return _Done(), x.unsqueeze(0)
+    x = x.contiguous()
+    out = x.new_empty((world, *x.shape))
+    # Flat views: gloo accepts only the concatenated form of the output, NCCL both.
+    work = dist.all_gather_into_tensor(out.view(-1), x.view(-1), group=group, async_op=True)
+    return work, out
+
+
+def _issue_reduce_scatter(stacked, group):
+    """Start a ReduceScatter (sum) of stacked (W, ...) blocks; returns (handle, this rank's)."""
+    if group_size(group) == 1:
+        return _Done(), stacked[0]
+    stacked = stacked.contiguous()
+    out = stacked.new_empty(stacked.shape[1:])
+    work = dist.reduce_scatter_tensor(out.view(-1), stacked.view(-1), group=group,
+                                      async_op=True)
+    return work, out
+
+
+def _record(kind, name, nbytes, world, phase):
+    """Record one collective over `world` ranks whose input on this rank is nbytes long,
+    with the formulas of the module docstring; a group of one records nothing."""
+    if world == 1:
+        return
+    if kind == "allgather":
+        volume = nbytes * (world - 1)
+    else:
+        volume = (2 if kind == "allreduce" else 1) * nbytes * (world - 1) // world
+    LEDGER.record(kind, name, volume, volume, phase)
+
+
+# --- blocking collectives: fn(x, group, name, [dim,] phase) -> tensor ----------------------
+
+def _a2a(x, group, name, phase):
+    work, out = _issue_all_to_all(x, group)
+    work.wait()
+    _record("alltoall", name, x.nbytes, group_size(group), phase)
+    return out
+
+
+def _ag(x, group, name, dim, phase):
+    work, stacked = _issue_all_gather(x, group)
+    work.wait()
+    _record("allgather", name, x.nbytes, group_size(group), phase)
+    return _unblock(stacked, dim)
+
+
+def _rs(x, group, name, dim, phase):
+    world = group_size(group)
+    work, out = _issue_reduce_scatter(_blocks(x, dim, world), group)
+    work.wait()
+    _record("reducescatter", name, x.nbytes, world, phase)
+    return out
+
+
+def _ar(x, group, name, phase):
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=group)
+    _record("allreduce", name, x.nbytes, group_size(group), phase)
+    return out
+
+
+def _split(x, group, name, dim, phase):
+    world = group_size(group)
+    _check_divisible(x.shape[dim], world, "split")
+    return x.chunk(world, dim)[dist.get_rank(group)].contiguous()
+
+
+def _identity(x, group, name, phase):
+    return x
+
+
+# --- the overlapped pairs ------------------------------------------------------------------
+
+def _chunk_spans(length, chunks):
+    """(offset, size) of each piece torch.tensor_split(range(length), chunks) makes, empty
+    pieces left out."""
+    base, extra = divmod(length, chunks)
+    spans, offset = [], 0
+    for i in range(chunks):
+        size = base + (i < extra)
+        if size:
+            spans.append((offset, size))
+        offset += size
+    return spans
+
+
+def _pipeline(n, first, second, place):
+    """Chunk i goes through first(i) then second(i, piece); each returns (handle, tensor).
+    first(i+1) is issued before second(i), so the two groups' collectives overlap; place(i,
+    result) runs once chunk i is done."""
+    if n == 0:
+        return
+    pending, in_flight = first(0), []
+    for i in range(n):
+        work, piece = pending
+        work.wait()
+        if i + 1 < n:
+            pending = first(i + 1)
+        in_flight.append(second(i, piece))
+    for i, (work, result) in enumerate(in_flight):
+        work.wait()
+        place(i, result)
+
+
+def _a2a_then_ag(x, a2a, ag, chunk_dim, ag_dim, chunks, phase):
+    """all_gather(all_to_all(x, a2a), ag, ag_dim), chunked along chunk_dim and pipelined."""
+    (a2a_group, a2a_name), (ag_group, ag_name) = a2a, ag
+    world_ag, local = group_size(ag_group), x.shape[ag_dim]
+    out_shape = list(x.shape)
+    out_shape[ag_dim] *= world_ag
+    out = x.new_empty(out_shape)
+    spans = _chunk_spans(x.shape[chunk_dim], chunks)
+
+    def place(i, stacked):  # rank r's piece of chunk i sits inside rank r's block of ag_dim
+        offset, size = spans[i]
+        for r in range(world_ag):
+            out.narrow(ag_dim, r * local, local).narrow(chunk_dim, offset, size).copy_(stacked[r])
+
+    _pipeline(len(spans),
+              lambda i: _issue_all_to_all(x.narrow(chunk_dim, *spans[i]), a2a_group),
+              lambda i, piece: _issue_all_gather(piece, ag_group),
+              place)
+    _record("alltoall", a2a_name, x.nbytes, group_size(a2a_group), phase)
+    _record("allgather", ag_name, x.nbytes, world_ag, phase)
+    return out
+
+
+def _rs_then_a2a(y, a2a, rs, chunk_dim, rs_dim, chunks, phase):
+    """all_to_all(reduce_scatter(y, rs, rs_dim), a2a), chunked along chunk_dim (of the
+    reduced tensor) and pipelined."""
+    (a2a_group, a2a_name), (rs_group, rs_name) = a2a, rs
+    world_rs = group_size(rs_group)
+    _check_divisible(y.shape[rs_dim], world_rs, "reduce_scatter")
+    local = y.shape[rs_dim] // world_rs
+    out_shape = list(y.shape)
+    out_shape[rs_dim] = local
+    out = y.new_empty(out_shape)
+    spans = _chunk_spans(out_shape[chunk_dim], chunks)
+
+    def stack_chunk(i):  # chunk i of every rank's block of rs_dim, stacked for the scatter
+        return torch.stack([y.narrow(rs_dim, r * local, local).narrow(chunk_dim, *spans[i])
+                            for r in range(world_rs)])
+
+    _pipeline(len(spans),
+              lambda i: _issue_reduce_scatter(stack_chunk(i), rs_group),
+              lambda i, piece: _issue_all_to_all(piece, a2a_group),
+              lambda i, result: out.narrow(chunk_dim, *spans[i]).copy_(result))
+    _record("reducescatter", rs_name, y.nbytes, world_rs, phase)
+    _record("alltoall", a2a_name, out.nbytes, group_size(a2a_group), phase)
+    return out
+
+
+# --- autograd functions --------------------------------------------------------------------
+
+def _dual_op(class_name, forward, backward):
+    """An autograd.Function computing forward(x, *args, phase="forward") whose backward is
+    backward(grad, *args, phase="backward"); args are the non-tensor groups, names, dims."""
+
+    def fwd(ctx, x, *args):
+        ctx.args = args
+        return forward(x, *args, phase="forward")
+
+    def bwd(ctx, grad):
+        return (backward(grad, *ctx.args, phase="backward"),) + (None,) * len(ctx.args)
+
+    return type(class_name, (torch.autograd.Function,),
+                {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
+
+
+_AllToAll = _dual_op("_AllToAll", _a2a, _a2a)
+_AllGather = _dual_op("_AllGather", _ag, _rs)
+_ReduceScatter = _dual_op("_ReduceScatter", _rs, _ag)
+_AllReduce = _dual_op("_AllReduce", _ar, _identity)
+_Split = _dual_op("_Split", _split, _ag)
+_Gather = _dual_op("_Gather", _ag, _split)
+_CopyTo = _dual_op("_CopyTo", _identity, _ar)
+_AllToAllThenAllGather = _dual_op("_AllToAllThenAllGather", _a2a_then_ag, _rs_then_a2a)
+_ReduceScatterThenAllToAll = _dual_op("_ReduceScatterThenAllToAll", _rs_then_a2a, _a2a_then_ag)
+
+
+# --- public ops ----------------------------------------------------------------------------
+
+def all_to_all(x, group, name):
+    """Block j of x's dim 0 goes to rank j; output block i came from rank i."""
+    return x if group_size(group) == 1 else _AllToAll.apply(x, group, name)
+
+
+def all_gather(x, group, name, dim=0):
+    """Every rank's x concatenated along dim; backward reduce-scatters the grad."""
+    return x if group_size(group) == 1 else _AllGather.apply(x, group, name, dim % x.dim())
+
+
+def reduce_scatter(x, group, name, dim=0):
+    """Sum over ranks, keeping this rank's block along dim; backward all-gathers the grad."""
+    return x if group_size(group) == 1 else _ReduceScatter.apply(x, group, name, dim % x.dim())
+
+
+def all_reduce(x, group, name):
+    """Sum over ranks; the result is replicated, its grad passes through unchanged."""
+    return x if group_size(group) == 1 else _AllReduce.apply(x, group, name)
+
+
+def split(x, group, name, dim):
+    """This rank's block of a replicated x along dim; backward all-gathers the grad."""
+    return x if group_size(group) == 1 else _Split.apply(x, group, name, dim % x.dim())
+
+
+def gather(x, group, name, dim):
+    """AllGather for a result every rank then uses identically; backward keeps this rank's
+    block of the (replicated) grad."""
+    return x if group_size(group) == 1 else _Gather.apply(x, group, name, dim % x.dim())
+
+
+def copy_to(x, group, name):
+    """Identity for a replicated x feeding rank-specific work; backward all-reduces the grad."""
+    return x if group_size(group) == 1 else _CopyTo.apply(x, group, name)
+
+
+def _pair_dims(x, chunk_dim, dim, chunks):
+    chunk_dim, dim = chunk_dim % x.dim(), dim % x.dim()
+    if chunk_dim == 0 or chunks < 1:
+        raise ValueError("chunk_dim must not be 0 (the AlltoAll block dim) and chunks >= 1")
+    return chunk_dim, dim
+
+
+def all_to_all_then_all_gather(x, a2a_group, a2a_name, ag_group, ag_name, chunk_dim, ag_dim,
+                               chunks):
+    """all_gather(all_to_all(x, a2a), ag, ag_dim), the AlltoAll of chunk i+1 overlapping the
+    AllGather of chunk i (chunks cut along chunk_dim as torch.tensor_split would)."""
+    if group_size(a2a_group) == 1 and group_size(ag_group) == 1:
+        return x
+    chunk_dim, ag_dim = _pair_dims(x, chunk_dim, ag_dim, chunks)
+    return _AllToAllThenAllGather.apply(x, (a2a_group, a2a_name), (ag_group, ag_name),
+                                        chunk_dim, ag_dim, chunks)
+
+
+def reduce_scatter_then_all_to_all(y, rs_group, rs_name, a2a_group, a2a_name, chunk_dim, rs_dim,
+                                   chunks):
+    """all_to_all(reduce_scatter(y, rs, rs_dim), a2a), the AlltoAll of chunk i overlapping
+    the ReduceScatter of chunk i+1 (chunks cut along chunk_dim of the reduced tensor)."""
+    if group_size(rs_group) == 1 and group_size(a2a_group) == 1:
+        return y
+    chunk_dim, rs_dim = _pair_dims(y, chunk_dim, rs_dim, chunks)
+    return _ReduceScatterThenAllToAll.apply(y, (a2a_group, a2a_name), (rs_group, rs_name),
+                                            chunk_dim, rs_dim, chunks)

@@ -1,0 +1,85 @@
+"""Bad input ends every rank fast, with one line naming the cause and a non-zero exit.
+
+Each case is a real torchrun launch on 4 ranks (or 1 where the case needs no parallelism)."""
+
+import shutil
+
+import pytest
+
+from conftest import launch, tiny_gpt_args
+
+LAUNCH_LIMIT_S = 30
+
+
+def _error_lines(output: str) -> list:
+    return [line for line in output.splitlines() if line.startswith("error")]
+
+
+def _assert_clean_failure(run, *needles):
+    assert run.returncode != 0, run.output[-3000:]
+    assert run.seconds < LAUNCH_LIMIT_S, f"took {run.seconds:.1f}s"
+    lines = _error_lines(run.output)
+    assert lines, run.output[-3000:]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    # torchrun prints its own summary; the ranks themselves print no traceback
+    assert "]: Traceback" not in run.output, run.output[-3000:]
+
+
+@pytest.mark.parametrize("case,flags,needles", [
+    ("tp3_on_4", {"tensor-model-parallel-size": 3, "num-attention-heads": 6, "hidden-size": 96},
+     ["--tensor-model-parallel-size 3", "world size 4"]),
+    ("5_experts_ep2", {"num-experts": 5, "expert-model-parallel-size": 2},
+     ["--num-experts 5", "--expert-model-parallel-size 2"]),
+])
+def test_impossible_layout(case, flags, needles, gpt_data, tmp_path):
+    run = launch(4, tiny_gpt_args(gpt_data, **flags), tmp_path, timeout=120)
+    _assert_clean_failure(run, *needles)
+
+
+def test_missing_data_path(gpt_data, tmp_path):
+    run = launch(4, tiny_gpt_args(gpt_data, **{"data-path": tmp_path / "nowhere"}), tmp_path,
+                 timeout=120)
+    _assert_clean_failure(run, "--data-path", "nowhere")
+
+
+def test_no_data_path_flag(gpt_data, tmp_path):
+    args = tiny_gpt_args(gpt_data)
+    at = args.index("--data-path")
+    del args[at:at + 2]
+    run = launch(4, args, tmp_path, timeout=120)
+    _assert_clean_failure(run, "--data-path is required")
+
+
+def test_corrupt_idx(gpt_data, tmp_path):
+    prefix = tmp_path / "corrupt_text_document"
+    shutil.copy(gpt_data["prefix"] + ".bin", str(prefix) + ".bin")
+    idx = open(gpt_data["prefix"] + ".idx", "rb").read()
+    open(str(prefix) + ".idx", "wb").write(idx[: len(idx) // 2])  # truncated
+    run = launch(4, tiny_gpt_args(gpt_data, **{"data-path": prefix}), tmp_path, timeout=120)
+    _assert_clean_failure(run, "corrupt_text_document.idx")
+
+
+def test_nan_loss_stops_before_the_update(gpt_data, tmp_path):
+    """SGD with an absurd learning rate overflows the weights; the next loss is not finite."""
+    ckpt = tmp_path / "ckpt"
+    flags = {"optimizer": "sgd", "lr": 1e30, "clip-grad": 0, "train-iters": 6, "save": ckpt,
+             "save-interval": 1}
+    run = launch(1, tiny_gpt_args(gpt_data, **flags), tmp_path, timeout=120)
+    assert run.returncode != 0
+    line = _error_lines(run.output)[0]
+    assert "loss is" in line and "no update was applied" in line, line
+    # every checkpoint written before the failure is whole, and the tracker names one of them
+    latest = (ckpt / "latest_checkpointed_iteration.txt").read_text()
+    assert (ckpt / f"iter_{int(latest):07d}" / "metadata.json").exists()
+
+
+def test_corrupt_checkpoint(gpt_data, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run = launch(1, tiny_gpt_args(gpt_data, **{"train-iters": 2, "save": ckpt}), tmp_path)
+    assert run.returncode == 0, run.output[-3000:]
+    for shard in (ckpt / "iter_0000002").glob("*.distcp"):
+        shard.write_bytes(b"not a checkpoint")
+    run = launch(1, tiny_gpt_args(gpt_data, **{"train-iters": 4, "load": ckpt}), tmp_path,
+                 timeout=120)
+    _assert_clean_failure(run, "--load", "cannot read checkpoint")

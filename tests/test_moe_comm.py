@@ -1,0 +1,280 @@
+"""parm_trainer.moe.comm: collectives, their autograd duals, the overlapped pairs and the
+byte ledger.
+
+One torchrun launch of 4 gloo ranks checks every op on groups of 1, 2 and 4 ranks ({0,1},{2,3};
+{0,2},{1,3}; all four; singletons; None) against a reference that each rank computes locally
+from every rank's input (single-process autograd on the same values), and checks that the
+pipelined pairs equal the unchunked composition exactly for 1 to 4 chunks. Inputs are
+integer-valued floats, so every sum is exact whatever order a backend adds in, and torch.equal
+is the comparison throughout.
+
+    .venv/bin/python -m pytest tests/test_moe_comm.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from conftest import ROOT, free_port
+from parm_trainer.moe.comm import LEDGER, CommLedger, _chunk_spans, all_to_all_then_all_gather
+from parm_trainer.moe import comm
+
+WORKER = r'''
+import json, os, sys, traceback
+import torch
+import torch.distributed as dist
+from parm_trainer.moe import comm
+from parm_trainer.moe.comm import LEDGER
+
+dist.init_process_group("gloo")
+RANK, WORLD = dist.get_rank(), dist.get_world_size()
+PARTS = {"pairs": [[0, 1], [2, 3]], "cross": [[0, 2], [1, 3]], "all4": [[0, 1, 2, 3]],
+         "single": [[0], [1], [2], [3]], "none": [[0], [1], [2], [3]]}
+GROUPS = {name: dist.new_subgroups_by_enumeration(part)[0]
+          for name, part in PARTS.items() if name != "none"}
+GROUPS["none"] = None
+failures, checks, seed = [], 0, [0]
+
+
+def expect(ok, what):
+    global checks
+    checks += 1
+    if not ok:
+        failures.append(what)
+
+
+def data(shape):
+    """Integer-valued floats from a fresh seed that every rank draws in the same order."""
+    seed[0] += 1
+    gen = torch.Generator().manual_seed(seed[0])
+    return torch.randint(-8, 9, tuple(shape), generator=gen).float()
+
+
+def members_of(part):
+    return next(m for m in PARTS[part] if RANK in m)
+
+
+def per_member(xs, part, fn):
+    """Reference outputs by global rank: fn(inputs of the group's members, member index)."""
+    out = [None] * WORLD
+    for members in PARTS[part]:
+        inputs = [xs[r] for r in members]
+        for i, r in enumerate(members):
+            out[r] = fn(inputs, i)
+    return out
+
+
+REF = {
+    "all_to_all": lambda xs, p: per_member(xs, p, lambda g, i: torch.cat(
+        [x.chunk(len(g), 0)[i] for x in g], 0)),
+    "all_gather": lambda xs, p, d: per_member(xs, p, lambda g, i: torch.cat(g, d)),
+    "reduce_scatter": lambda xs, p, d: per_member(xs, p, lambda g, i: sum(g).chunk(len(g), d)[i]),
+    "all_reduce": lambda xs, p: per_member(xs, p, lambda g, i: sum(g)),
+    "split": lambda xs, p, d: per_member(xs, p, lambda g, i: g[i].chunk(len(g), d)[i]),
+    "copy_to": lambda xs, p: per_member(xs, p, lambda g, i: g[i]),
+}
+REF["gather"] = REF["all_gather"]
+# op: (replicated input, replicated output, takes a dim, forward kind, backward kind)
+OPS = {
+    "all_to_all": (False, False, False, "alltoall", "alltoall"),
+    "all_gather": (False, False, True, "allgather", "reducescatter"),
+    "reduce_scatter": (False, False, True, "reducescatter", "allgather"),
+    "all_reduce": (False, True, False, "allreduce", None),
+    "split": (True, False, True, None, "allgather"),
+    "gather": (False, True, True, "allgather", None),
+    "copy_to": (True, False, False, None, "allreduce"),
+}
+
+
+def volume(kind, tensor, world):
+    """The ledger formulas, with tensor the collective's input."""
+    b = tensor.numel() * tensor.element_size()
+    return {"alltoall": b * (world - 1) // world, "allgather": b * (world - 1),
+            "reducescatter": b * (world - 1) // world,
+            "allreduce": 2 * b * (world - 1) // world}[kind]
+
+
+def rows(world, *entries):
+    """Expected ledger rows from (kind, group name, input tensor) entries."""
+    out = {}
+    for kind, name, tensor in entries:
+        if kind is not None and world[name] > 1:
+            n = volume(kind, tensor, world[name])
+            out[f"{kind}/{name}"] = {"sent": n, "received": n, "calls": 1}
+    return out
+
+
+def reference(ref, shape, replicated_in, replicated_out, part):
+    """Inputs, outputs, upstream grads and input grads of ref by global rank, computed with
+    single-process autograd; part is the group layout of replicated inputs/outputs."""
+    if replicated_in:  # one tensor per group, shared by its members
+        leaf = {tuple(m): data(shape).requires_grad_() for m in PARTS[part]}
+        xs = [leaf[tuple(m)] for r in range(WORLD) for m in PARTS[part] if r in m]
+    else:
+        xs = [data(shape).requires_grad_() for _ in range(WORLD)]
+    outs = ref(xs)
+    ups = [data(o.shape) for o in outs]
+    if replicated_out:  # one upstream grad per group; count each group's output once
+        firsts = [m[0] for m in PARTS[part]]
+        ups = [ups[next(m[0] for m in PARTS[part] if r in m)] for r in range(WORLD)]
+        loss = sum((outs[r] * ups[r]).sum() for r in firsts)
+    else:
+        loss = sum((o * u).sum() for o, u in zip(outs, ups))
+    loss.backward()
+    return [x.detach() for x in xs], outs, ups, [x.grad for x in xs]
+
+
+def run_dist(fn, x, up):
+    """fn on this rank's input; returns output, input grad, forward and backward ledger rows."""
+    x = x.clone().requires_grad_()
+    LEDGER.reset()
+    out = fn(x)
+    forward = LEDGER.totals(phase="forward")
+    (out * up).sum().backward()
+    return out.detach(), x.grad, forward, LEDGER.totals(phase="backward")
+
+
+def check_op(op, part, dim, shape):
+    rep_in, rep_out, _, fwd_kind, bwd_kind = OPS[op]
+    args = (dim,) if dim is not None else ()
+    xs, outs, ups, grads = reference(lambda t: REF[op](t, part, *args), shape, rep_in, rep_out,
+                                     part)
+    run = lambda x: getattr(comm, op)(x, GROUPS[part], part, *args)
+    out, grad, fwd, bwd = run_dist(run, xs[RANK], ups[RANK])
+    tag = f"{op} {part} dim={dim}"
+    world = {part: len(members_of(part))}
+    expect(torch.equal(out, outs[RANK].detach()), f"{tag}: forward")
+    expect(torch.equal(grad, grads[RANK]), f"{tag}: backward")
+    expect(fwd == rows(world, (fwd_kind, part, xs[RANK])), f"{tag}: forward bytes {fwd}")
+    expect(bwd == rows(world, (bwd_kind, part, ups[RANK])), f"{tag}: backward bytes {bwd}")
+
+
+def check_pair(a2a_part, ag_part, mid_shape, chunk_dim, dim):
+    """Both pairs on (a2a over a2a_part as "ep", ag/rs over ag_part as "esp")."""
+    ep, esp = GROUPS[a2a_part], GROUPS[ag_part]
+    world = {"ep": len(members_of(a2a_part)), "esp": len(members_of(ag_part))}
+    tag = f"a2a={a2a_part} ag={ag_part} mid={mid_shape} chunk_dim={chunk_dim} dim={dim}"
+    # all_to_all_then_all_gather
+    ref = lambda xs: REF["all_gather"](REF["all_to_all"](xs, a2a_part), ag_part, dim)
+    xs, outs, ups, grads = reference(ref, mid_shape, False, False, a2a_part)
+    plain = lambda x: comm.all_gather(comm.all_to_all(x, ep, "ep"), esp, "esp", dim)
+    base = run_dist(plain, xs[RANK], ups[RANK])
+    expect(torch.equal(base[0], outs[RANK].detach()) and torch.equal(base[1], grads[RANK]),
+           f"a2a+ag composition {tag}")
+    for chunks in (1, 2, 3, 4):
+        pair = lambda x: comm.all_to_all_then_all_gather(x, ep, "ep", esp, "esp", chunk_dim,
+                                                         dim, chunks)
+        got = run_dist(pair, xs[RANK], ups[RANK])
+        expect(torch.equal(got[0], base[0]), f"a2a+ag forward chunks={chunks} {tag}")
+        expect(torch.equal(got[1], base[1]), f"a2a+ag backward chunks={chunks} {tag}")
+        expect(got[2] == base[2] == rows(world, ("alltoall", "ep", xs[RANK]),
+                                         ("allgather", "esp", xs[RANK])),
+               f"a2a+ag forward bytes chunks={chunks} {tag}: {got[2]}")
+        expect(got[3] == base[3], f"a2a+ag backward bytes chunks={chunks} {tag}: {got[3]}")
+    # reduce_scatter_then_all_to_all, on an input whose reduced shape is mid_shape
+    shape = list(mid_shape)
+    shape[dim] *= world["esp"]
+    ref = lambda xs: REF["all_to_all"](REF["reduce_scatter"](xs, ag_part, dim), a2a_part)
+    xs, outs, ups, grads = reference(ref, shape, False, False, ag_part)
+    plain = lambda y: comm.all_to_all(comm.reduce_scatter(y, esp, "esp", dim), ep, "ep")
+    base = run_dist(plain, xs[RANK], ups[RANK])
+    expect(torch.equal(base[0], outs[RANK].detach()) and torch.equal(base[1], grads[RANK]),
+           f"rs+a2a composition {tag}")
+    for chunks in (1, 2, 3, 4):
+        pair = lambda y: comm.reduce_scatter_then_all_to_all(y, esp, "esp", ep, "ep", chunk_dim,
+                                                             dim, chunks)
+        got = run_dist(pair, xs[RANK], ups[RANK])
+        expect(torch.equal(got[0], base[0]), f"rs+a2a forward chunks={chunks} {tag}")
+        expect(torch.equal(got[1], base[1]), f"rs+a2a backward chunks={chunks} {tag}")
+        expect(got[2] == base[2] == rows(world, ("reducescatter", "esp", xs[RANK]),
+                                         ("alltoall", "ep", base[0])),
+               f"rs+a2a forward bytes chunks={chunks} {tag}: {got[2]}")
+        expect(got[3] == base[3], f"rs+a2a backward bytes chunks={chunks} {tag}: {got[3]}")
+
+
+try:
+    for part in PARTS:
+        for op, (_, _, takes_dim, _, _) in OPS.items():
+            for dim in ((0, 1, -1) if takes_dim else (None,)):
+                divides = op not in ("reduce_scatter", "split") or dim != -1
+                if divides:
+                    check_op(op, part, dim, (8, 12, 3))
+    pair_groups = [("pairs", "cross"), ("cross", "pairs"), ("all4", "pairs"),
+                   ("pairs", "all4"), ("all4", "all4"), ("none", "pairs"), ("pairs", "single")]
+    layouts = [((8, 7, 6), 1, 0), ((8, 7, 6), 1, 1), ((8, 7, 6), 2, 1), ((8, 7, 6), -1, -1),
+               ((4, 3, 5), 1, 1)]
+    for a2a_part, ag_part in pair_groups:
+        for mid_shape, chunk_dim, dim in layouts:
+            check_pair(a2a_part, ag_part, mid_shape, chunk_dim, dim)
+    crashed = False
+except Exception:
+    failures.append(traceback.format_exc())
+    crashed = True
+with open(os.path.join(sys.argv[1], f"rank{RANK}.json"), "w") as f:
+    json.dump({"rank": RANK, "checks": checks, "failures": failures}, f)
+if crashed:  # the other ranks may be blocked in a collective: let torchrun stop them now
+    os._exit(1)
+dist.destroy_process_group()
+'''
+
+
+def test_collectives_on_four_gloo_ranks(tmp_path):
+    script = tmp_path / "moe_comm_worker.py"
+    script.write_text(WORKER)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+               "--master-port", str(free_port()), str(script), str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180,
+                            env=env)
+    reports = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
+    failures = {r["rank"]: [f[-700:] for f in r["failures"][:5]] for r in reports if r["failures"]}
+    assert not failures, json.dumps(failures, indent=1)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    # 5 op partitions x 13 op cases x 4 checks; 7 pair groupings x 5 layouts x 2 pairs x
+    # (1 composition + 4 chunkings x 4) checks
+    assert [r["checks"] for r in reports] == [5 * 13 * 4 + 7 * 5 * 2 * 17] * 4
+
+
+def test_ledger_sums_and_filters_by_phase():
+    ledger = CommLedger()
+    ledger.record("alltoall", "ep", 10, 12)
+    ledger.record("alltoall", "ep", 1, 2, phase="backward")
+    ledger.record("allgather", "esp", 5, 5)
+    assert ledger.totals() == {"alltoall/ep": {"sent": 11, "received": 14, "calls": 2},
+                               "allgather/esp": {"sent": 5, "received": 5, "calls": 1}}
+    assert ledger.totals(phase="backward") == {"alltoall/ep": {"sent": 1, "received": 2,
+                                                               "calls": 1}}
+    assert set(ledger.totals(per_phase=True)) == {"alltoall/ep/forward", "alltoall/ep/backward",
+                                                  "allgather/esp/forward"}
+    assert ledger.by_kind(phase="forward") == {
+        "alltoall": {"sent": 10, "received": 12, "calls": 1},
+        "allgather": {"sent": 5, "received": 5, "calls": 1}}
+    ledger.reset()
+    assert ledger.totals() == {} and ledger.by_kind() == {}
+
+
+def test_chunk_spans_follow_tensor_split():
+    for length in range(0, 9):
+        for chunks in range(1, 6):
+            pieces = torch.tensor_split(torch.arange(length), chunks)
+            expected = [(int(p[0]), len(p)) for p in pieces if len(p)]
+            assert _chunk_spans(length, chunks) == expected
+
+
+def test_group_of_none_is_identity_and_records_nothing():
+    LEDGER.reset()
+    x = torch.randn(4, 6, requires_grad=True)
+    ops = [lambda t: comm.all_to_all(t, None, "ep"), lambda t: comm.all_gather(t, None, "ep", 1),
+           lambda t: comm.reduce_scatter(t, None, "ep"), lambda t: comm.all_reduce(t, None, "ep"),
+           lambda t: comm.split(t, None, "mp", 1), lambda t: comm.gather(t, None, "mp", 0),
+           lambda t: comm.copy_to(t, None, "mp"),
+           lambda t: all_to_all_then_all_gather(t, None, "ep", None, "esp", 1, 0, 3),
+           lambda t: comm.reduce_scatter_then_all_to_all(t, None, "esp", None, "ep", 1, 1, 2)]
+    for op in ops:
+        assert op(x) is x
+    assert LEDGER.totals() == {}

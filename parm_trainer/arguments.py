@@ -63,6 +63,14 @@ def _moe_group(parser):
     g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="Weight of router z-loss.")
     g.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"],
                    default="alltoall", help="megatron-core dispatcher used by the megatron schedule.")
+    g.add_argument("--moe-parm-schedule", choices=["megatron", "baseline", "s1", "s2"],
+                   default="s1",
+                   help="MoE communication schedule: Parm's s1 (gate on split tokens) or s2 "
+                        "(gate on all tokens, split the capacity), the DeepSpeed-style baseline, "
+                        "or megatron-core's own dispatcher.")
+    g.add_argument("--moe-parm-chunks", type=int, default=1,
+                   help="Pipeline the EP AlltoAll with the ESP AllGather/ReduceScatter in this "
+                        "many chunks (1: no pipelining).")
 
 
 def _parallel_group(parser):

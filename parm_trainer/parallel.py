@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 
 import torch
@@ -72,10 +73,29 @@ def _validate_moe(args, tp, ep, etp) -> None:
     _require(etp == 1 or args.disable_bias_linear,
              f"expert biases need --expert-tensor-parallel-size 1 (got {etp}); "
              "add --disable-bias-linear")
-    if tp > 1:
+    schedule = getattr(args, "moe_parm_schedule", "megatron")
+    if schedule == "megatron" and tp > 1:
         # megatron-core's MoE dispatchers exchange sequence-parallel shards (TransformerConfig).
-        _require(args.sequence_parallel,
-                 "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel")
+        _require(args.sequence_parallel, "MoE with --tensor-model-parallel-size > 1 and "
+                 "--moe-parm-schedule megatron needs --sequence-parallel")
+    if schedule == "baseline":
+        _require(etp == tp or tp == 1,
+                 f"--moe-parm-schedule baseline (DeepSpeed TED) needs --expert-tensor-parallel-size"
+                 f" equal to --tensor-model-parallel-size (got {etp} and {tp})")
+    if schedule == "s1" and not args.sequence_parallel:
+        _require(args.seq_length % tp == 0,
+                 f"--moe-parm-schedule s1 splits tokens over MP: --seq-length {args.seq_length} "
+                 f"is not divisible by --tensor-model-parallel-size {tp}")
+    if schedule == "s2" and args.moe_expert_capacity_factor is not None:
+        tokens = args.seq_length * args.micro_batch_size
+        capacity = math.ceil(tokens * args.moe_router_topk * args.moe_expert_capacity_factor
+                             / experts)
+        _require(capacity % tp == 0,
+                 f"--moe-parm-schedule s2 splits the capacity over MP: capacity {capacity} "
+                 f"(--moe-expert-capacity-factor {args.moe_expert_capacity_factor}, "
+                 f"{tokens} tokens, top-{args.moe_router_topk}, {experts} experts) is not "
+                 f"divisible by --tensor-model-parallel-size {tp}")
+    _require(getattr(args, "moe_parm_chunks", 1) >= 1, "--moe-parm-chunks must be at least 1")
 
 
 def _validate_batch(args) -> None:

@@ -9,15 +9,33 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
 )
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from parm_trainer.moe.layer import ParmMoELayer
 
 
 def gpt_layer_spec(config: TransformerConfig, args: argparse.Namespace):
-    """Local (no Transformer Engine) spec; MoE layers every --moe-layer-freq layers."""
-    if config.num_moe_experts:
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=False,
-                                          normalization=args.normalization)
-    return get_gpt_layer_local_spec(normalization=args.normalization)
+    """Local (no Transformer Engine) spec; MoE layers every --moe-layer-freq layers, run
+    through Parm's schedule unless --moe-parm-schedule megatron."""
+    if not config.num_moe_experts:
+        return get_gpt_layer_local_spec(normalization=args.normalization)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                       normalization=args.normalization)
+    if args.moe_parm_schedule != "megatron":
+        for layer in block.layer_specs:
+            use_parm_moe_layer(layer, args.moe_parm_schedule, args.moe_parm_chunks)
+    return block
+
+
+def use_parm_moe_layer(layer_spec: ModuleSpec, schedule: str, chunks: int) -> None:
+    """Swap megatron's MoELayer for ParmMoELayer in a layer spec, keeping router and experts."""
+    mlp = layer_spec.submodules.mlp
+    if isinstance(mlp, ModuleSpec) and mlp.module is MoELayer:
+        layer_spec.submodules.mlp = ModuleSpec(
+            module=ParmMoELayer, submodules=mlp.submodules,
+            params={**(mlp.params or {}), "schedule": schedule, "chunks": chunks})
 
 
 def build_gpt_moe(args: argparse.Namespace, config: TransformerConfig, vocab_size: int,

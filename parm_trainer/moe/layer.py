@@ -1,0 +1,177 @@
+"""ParmMoELayer: megatron-core's router and expert modules, run through a Parm schedule.
+
+megatron-core's MoELayer fixes where the gate sits relative to the MP split; Parm moves it, so
+this layer owns the whole forward and executes a Plan (schedules.py) step by step. Tokens are
+dispatched into the fixed (E, C, M) layout of PARM.md: C is the capacity of one gate call
+(from --moe-expert-capacity-factor, or, dropless, the largest expert load in the pipeline
+stage, agreed with one scalar all-reduce). Routing probabilities are applied in the combine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_utils import get_capacity, router_gating_linear
+from megatron.core.transformer.spec_utils import build_module
+
+from parm_trainer.moe import comm
+from parm_trainer.moe.schedules import build_plan
+
+_STAGE_GROUP = None
+_SINGLETON_GROUP = None
+
+
+def _stage_group():
+    """All ranks of this pipeline stage (PP is the outermost rank dimension in megatron)."""
+    global _STAGE_GROUP
+    if _STAGE_GROUP is None:
+        size = torch.distributed.get_world_size() // parallel_state.get_pipeline_model_parallel_world_size()
+        _STAGE_GROUP, _ = torch.distributed.new_subgroups(group_size=size)
+    return _STAGE_GROUP
+
+
+def _singleton_group():
+    global _SINGLETON_GROUP
+    if _SINGLETON_GROUP is None:
+        _SINGLETON_GROUP, _ = torch.distributed.new_subgroups(group_size=1)
+    return _SINGLETON_GROUP
+
+
+@dataclass
+class _Routing:
+    """What the dispatch step leaves for the combine step."""
+    token_index: torch.Tensor
+    slot: torch.Tensor
+    weight: torch.Tensor
+    num_tokens: int
+
+
+class ParmMoELayer(MegatronModule):
+    def __init__(self, config, submodules=None, layer_number: Optional[int] = None,
+                 pg_collection=None, schedule: str = "s1", chunks: int = 1):
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        self.plan = build_plan(schedule, config.sequence_parallel)
+        self.chunks = chunks
+        self.groups = {"mp": parallel_state.get_tensor_model_parallel_group(),
+                       "ep": parallel_state.get_expert_model_parallel_group(),
+                       "esp": parallel_state.get_expert_tensor_parallel_group()}
+        self.mp_size = comm.group_size(self.groups["mp"])
+        self.ep_size = comm.group_size(self.groups["ep"])
+        self.num_experts = config.num_moe_experts
+        self.num_local_experts = self.num_experts // self.ep_size
+        if pg_collection is None:
+            from megatron.core.transformer.moe.moe_layer import get_default_pg_collection
+
+            pg_collection = get_default_pg_collection()
+        self.router = submodules.router(config=config, pg_collection=pg_collection)
+        self.router.set_layer_number(layer_number)
+        # Router statistics (aux loss, z-loss) are summed over the ranks that split the tokens;
+        # where every MP rank holds all tokens there is nothing to sum.
+        self.router.tp_cp_group = self.groups["mp"] if self.plan.splits_tokens else _singleton_group()
+        # Gate gradients: summed over MP by copy_to when the gate runs on split tokens, already
+        # identical otherwise; megatron's sequence-parallel all-reduce would count them twice.
+        self.router.weight.sequence_parallel = False
+        self.experts = build_module(submodules.experts, self.num_local_experts, config,
+                                    pg_collection=pg_collection)
+
+    def set_layer_number(self, layer_number: int):
+        self.layer_number = layer_number
+        self.router.set_layer_number(layer_number)
+
+    # --- steps -------------------------------------------------------------------------------
+    def _gate(self, tokens, seq_shape, split: bool):
+        weight = self.router.weight
+        if split:
+            weight = comm.copy_to(weight, self.groups["mp"], "mp")
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype,
+                                                                    tokens.dtype)
+        logits = router_gating_linear(tokens, weight, self.router.bias, dtype)
+        return self.router.routing(logits.view(*seq_shape, self.num_experts))
+
+    def _capacity(self, routing_map) -> int:
+        n = routing_map.shape[0]
+        if self.config.moe_expert_capacity_factor is not None:
+            return get_capacity(n * self.config.moe_router_topk, self.num_experts,
+                                self.config.moe_expert_capacity_factor)
+        load = routing_map.sum(dim=0).max().reshape(1).to(torch.int64)
+        torch.distributed.all_reduce(load, op=torch.distributed.ReduceOp.MAX, group=_stage_group())
+        capacity = max(1, int(load.item()))
+        if self.plan.splits_capacity:  # round up so the capacity slots split evenly over MP
+            capacity = math.ceil(capacity / self.mp_size) * self.mp_size
+        return capacity
+
+    def _dispatch(self, tokens, probs, routing_map):
+        capacity = self._capacity(routing_map)
+        position = torch.cumsum(routing_map.to(torch.int64), dim=0) - 1
+        keep = routing_map & (position < capacity)
+        token_index, expert_index = keep.nonzero(as_tuple=True)
+        slot = expert_index * capacity + position[token_index, expert_index]
+        dispatched = tokens.new_zeros(self.num_experts * capacity, tokens.shape[-1])
+        dispatched = dispatched.index_copy(0, slot, tokens[token_index])
+        routing = _Routing(token_index, slot, probs[token_index, expert_index], tokens.shape[0])
+        return dispatched.view(self.num_experts, capacity, -1), routing
+
+    def _combine(self, expert_output, routing: _Routing):
+        flat = expert_output.reshape(-1, expert_output.shape[-1])
+        weighted = flat[routing.slot] * routing.weight.unsqueeze(-1).to(flat.dtype)
+        out = flat.new_zeros(routing.num_tokens, flat.shape[-1])
+        return out.index_add(0, routing.token_index, weighted)
+
+    def _expert(self, x):
+        """x: (E, c, M), dim 0 = EP blocks of this rank's local experts -> same shape, partial
+        sums over ESP (the expert's row-parallel fc2 leaves the reduction to the schedule)."""
+        ep, local, (c, hidden) = self.ep_size, self.num_local_experts, x.shape[1:]
+        grouped = x.view(ep, local, c, hidden).transpose(0, 1).reshape(-1, hidden)
+        counts = torch.full((local,), ep * c, dtype=torch.int64)
+        out, _ = self.experts(grouped, counts, torch.ones(grouped.shape[0], dtype=x.dtype,
+                                                          device=x.device))
+        return out.view(local, ep, c, hidden).transpose(0, 1).reshape(ep * local, c, hidden)
+
+    # --- executor ----------------------------------------------------------------------------
+    def forward(self, hidden_states, *args, **kwargs):
+        seq, batch, hidden = hidden_states.shape
+        x = hidden_states.reshape(-1, hidden)
+        groups, chunks = self.groups, self.chunks
+        seq_shape, routing = (seq, batch), None
+        for step in self.plan.steps:
+            op = step.op
+            if op == "split_tokens":
+                x = comm.split(x, groups["mp"], "mp", dim=0)
+                seq_shape = (x.shape[0] // batch, batch)
+            elif op == "gather_tokens":
+                x = comm.gather(x, groups["mp"], "mp", dim=0)
+                seq_shape = (x.shape[0] // batch, batch)
+            elif op == "gate":
+                probs, routing_map = self._gate(x, seq_shape, split=step.group == "mp")
+            elif op == "dispatch":
+                x, routing = self._dispatch(x, probs, routing_map)
+            elif op == "split_capacity":
+                x = comm.split(x, groups["mp"], "mp", dim=1)
+            elif op == "gather_capacity":
+                x = comm.gather(x, groups["mp"], "mp", dim=1)
+            elif op == "a2a":
+                x = comm.all_to_all(x, groups["ep"], "ep")
+            elif op == "copy":
+                x = comm.copy_to(x, groups["esp"], "esp")
+            elif op == "allreduce":
+                x = comm.all_reduce(x, groups["esp"], "esp")
+            elif op == "a2a+allgather":
+                x = comm.all_to_all_then_all_gather(x, groups["ep"], "ep", groups["esp"], "esp",
+                                                    chunk_dim=1, ag_dim=1, chunks=chunks)
+            elif op == "reducescatter+a2a":
+                x = comm.reduce_scatter_then_all_to_all(x, groups["esp"], "esp", groups["ep"],
+                                                        "ep", chunk_dim=1, rs_dim=1,
+                                                        chunks=chunks)
+            elif op == "expert":
+                x = self._expert(x)
+            elif op == "combine":
+                x = self._combine(x, routing)
+            else:
+                raise ValueError(f"unknown plan step {step}")
+        return x.view(-1, batch, hidden), None

@@ -1,0 +1,45 @@
+"""A schedule is data: an ordered list of steps, each naming what it does and on which group.
+
+The executor (layer.py) runs the steps; the byte accounting is recorded by the collectives the
+steps call (comm.py); a cost model can price the same steps. Step ops:
+
+    gate            top-k routing on the tokens this rank holds ("mp": they are split over MP)
+    dispatch        tokens (n, M) -> (E, C, M), C the capacity of one gate call
+    combine         (E, C, M) -> (n, M), weighted by the routing probabilities
+    expert          this rank's expert shards on (E, c, M), partial sums over ESP
+    split_tokens    keep this MP rank's 1/G of the tokens (no communication)
+    gather_tokens   MP-AllGather of tokens, used identically by every MP rank afterwards
+    split_capacity  keep this MP rank's 1/G of the capacity slots (no communication)
+    gather_capacity MP-AllGather along the capacity dimension, used identically afterwards
+    a2a             AlltoAll over EP (blocks of experts)
+    allgather       ESP-AllGather along the capacity dimension
+    reducescatter   ESP-ReduceScatter along the capacity dimension
+    allreduce       ESP-AllReduce
+    copy            identity; backward, ESP-AllReduce of the gradient (replicated expert input)
+    a2a+allgather, reducescatter+a2a   the overlapped pairs, pipelined in `chunks` pieces
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Step:
+    op: str
+    group: Optional[str] = None  # "mp", "ep", "esp", or "ep,esp" for a pair
+
+    def __str__(self) -> str:
+        return f"{self.op}[{self.group}]" if self.group else self.op
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    steps: tuple
+    splits_tokens: bool    # the gate runs on 1/G of the tokens (gate grads summed over MP)
+    splits_capacity: bool  # the capacity dimension is split over MP (C must divide by G)
+
+    def __str__(self) -> str:
+        return f"{self.name}: " + " -> ".join(map(str, self.steps))

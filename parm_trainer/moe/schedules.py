@@ -1,0 +1,53 @@
+"""Parm's schedules (PARM.md), side by side. `sequence_parallel`: tokens enter the MoE layer
+already split over MP (1/G each) and leave split the same way.
+
+baseline  DeepSpeed-MoE with expert tensor parallelism: every MP rank holds all N tokens
+          (gathered first under sequence parallelism), gates them, sends them over EP, and the
+          expert shards' partial outputs are all-reduced over ESP (and, backward, the gradient of
+          the replicated expert input, as the column-parallel fc1 leaves it partial). Needs ESP = MP (or MP = 1),
+          as DeepSpeed's TED does: otherwise the same tokens reach the same shard twice.
+s1        MP paused before the gate: each MP rank gates its 1/G of the tokens, AlltoAll (EP) of
+          D/G, ESP-AllGather, expert, ESP-ReduceScatter, AlltoAll back, combine, MP-AllGather of
+          the output (skipped under sequence parallelism, where the split is already the layout).
+s2        MP paused after the gate: every MP rank gates all N tokens, keeps 1/G of the capacity
+          slots, AlltoAll (EP), ESP-AllGather, expert, ESP-ReduceScatter, AlltoAll back, then an
+          MP-AllGather of the dispatched layout and the combine on all N tokens.
+"""
+
+from __future__ import annotations
+
+from parm_trainer.moe.plan import Plan, Step
+
+SCHEDULES = ("baseline", "s1", "s2")
+
+
+def baseline(sequence_parallel: bool) -> Plan:
+    steps = [Step("gate"), Step("dispatch"), Step("a2a", "ep"), Step("copy", "esp"),
+             Step("expert"), Step("allreduce", "esp"), Step("a2a", "ep"), Step("combine")]
+    if sequence_parallel:
+        steps = [Step("gather_tokens", "mp"), *steps, Step("split_tokens", "mp")]
+    return Plan("baseline", tuple(steps), splits_tokens=False, splits_capacity=False)
+
+
+def s1(sequence_parallel: bool) -> Plan:
+    steps = [Step("gate", "mp"), Step("dispatch"), Step("a2a+allgather", "ep,esp"),
+             Step("expert"), Step("reducescatter+a2a", "esp,ep"), Step("combine")]
+    if not sequence_parallel:
+        steps = [Step("split_tokens", "mp"), *steps, Step("gather_tokens", "mp")]
+    return Plan("s1", tuple(steps), splits_tokens=True, splits_capacity=False)
+
+
+def s2(sequence_parallel: bool) -> Plan:
+    steps = [Step("gate"), Step("dispatch"), Step("split_capacity", "mp"),
+             Step("a2a+allgather", "ep,esp"), Step("expert"), Step("reducescatter+a2a", "esp,ep"),
+             Step("gather_capacity", "mp"), Step("combine")]
+    if sequence_parallel:
+        steps = [Step("gather_tokens", "mp"), *steps, Step("split_tokens", "mp")]
+    return Plan("s2", tuple(steps), splits_tokens=False, splits_capacity=True)
+
+
+def build_plan(name: str, sequence_parallel: bool) -> Plan:
+    try:
+        return {"baseline": baseline, "s1": s1, "s2": s2}[name](sequence_parallel)
+    except KeyError:
+        raise ValueError(f"--moe-parm-schedule {name!r}: choose one of {SCHEDULES}") from None

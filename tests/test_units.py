@@ -1,0 +1,458 @@
+"""python -m pytest tests/test_units.py -q
+
+Fast single-process unit tests (no torchrun): layout checks, flag parsing, vocabulary padding,
+the FLOPs formula, the pretraining sampler's order, and the layout-free weight initialisation on
+a tiny megatron GPTModel in a one-rank gloo world.
+"""
+
+import argparse
+import atexit
+import math
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# `pretrain_gpt_moe.py --help` starts now, at collection, so that its imports (torch and
+# megatron-core, several seconds) overlap with this process's own; test_help_runs reads it.
+_HELP = subprocess.Popen([sys.executable, "pretrain_gpt_moe.py", "--help"], cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@atexit.register
+def _end_help_process():
+    if _HELP.poll() is None:
+        _HELP.kill()
+    _HELP.communicate()
+
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from parm_trainer.arguments import ArgumentsError, build_parser, parse_args  # noqa: E402
+from parm_trainer.parallel import LayoutError, validate_layout  # noqa: E402
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # megatron.core: optional GPU extensions missing
+    from parm_trainer.models.config import padded_vocab_size
+    from parm_trainer.training.data import PretrainingSampler
+    from parm_trainer.training.flops import flops_per_iteration
+
+MOE = ["--num-experts", "4", "--disable-bias-linear"]
+
+
+def layout(world, *argv):
+    args = parse_args(list(argv), world_size=world)
+    validate_layout(args)
+    return args
+
+
+# --- validate_layout: layouts that run ----------------------------------------------------------
+
+# (id, world size, flags, expected data-parallel size, expected micro-batches per step)
+GOOD_LAYOUTS = [
+    ("one_rank_dense", 1, [], 1, 1),
+    ("one_rank_moe", 1, [*MOE, "--global-batch-size", "8"], 1, 4),
+    ("dp4_default_global_batch", 4, [*MOE, "--expert-model-parallel-size", "4"], 4, 1),
+    ("tp2_ep2_esp2_on_4", 4,
+     [*MOE, "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+      "--expert-tensor-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "16"],
+     2, 4),
+    ("tp2_ep2_esp1_on_4", 4,
+     [*MOE, "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+      "--expert-tensor-parallel-size", "1", "--sequence-parallel", "--global-batch-size", "8"],
+     2, 2),
+    ("pp2_on_2", 2,
+     ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--global-batch-size", "8"],
+     1, 4),
+    ("tp2_ep4_on_8", 8,
+     ["--num-experts", "8", "--disable-bias-linear", "--tensor-model-parallel-size", "2",
+      "--expert-model-parallel-size", "4", "--sequence-parallel", "--global-batch-size", "32"],
+     4, 4),
+    ("tp2_pp2_ep2_on_8", 8,
+     [*MOE, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+      "--expert-model-parallel-size", "2", "--sequence-parallel", "--num-layers", "4",
+      "--micro-batch-size", "1", "--global-batch-size", "4"],
+     2, 2),
+    ("moe_s1_schedule_tp2_without_sp", 2,
+     [*MOE, "--tensor-model-parallel-size", "2", "--moe-parm-schedule", "s1"], 1, 1),
+    ("esp2_tp1_on_2", 2,
+     [*MOE, "--expert-tensor-parallel-size", "2", "--global-batch-size", "4"], 2, 1),
+]
+
+
+@pytest.mark.parametrize("world,argv,dp,micro", [c[1:] for c in GOOD_LAYOUTS],
+                         ids=[c[0] for c in GOOD_LAYOUTS])
+def test_good_layout(world, argv, dp, micro):
+    args = layout(world, *argv)
+    assert args.data_parallel_size == dp
+    assert args.num_microbatches == micro
+    assert args.global_batch_size == micro * dp * args.micro_batch_size
+
+
+# --- validate_layout: layouts that cannot run, each naming its flag ------------------------------
+
+# (id, world size, flags, fragment of the message; it starts with the flag to change)
+BAD_LAYOUTS = [
+    ("tp3_on_4", 4, ["--tensor-model-parallel-size", "3"],
+     "--tensor-model-parallel-size 3 x --pipeline-model-parallel-size 1 = 3 does not divide "
+     "the world size 4"),
+    ("experts5_ep2", 2, ["--num-experts", "5", "--expert-model-parallel-size", "2",
+                         "--disable-bias-linear"],
+     "--num-experts 5 is not divisible by --expert-model-parallel-size 2"),
+    ("heads_vs_tp", 4, ["--tensor-model-parallel-size", "4", "--num-attention-heads", "6",
+                        "--hidden-size", "96"],
+     "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),
+    ("layers_vs_pp", 2, ["--pipeline-model-parallel-size", "2", "--num-layers", "3"],
+     "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
+    ("moe_ffn_vs_esp", 4, [*MOE, "--expert-tensor-parallel-size", "4",
+                           "--moe-ffn-hidden-size", "130"],
+     "--moe-ffn-hidden-size 130 is not divisible by --expert-tensor-parallel-size 4"),
+    ("moe_megatron_schedule_tp2_without_sp", 2,
+     [*MOE, "--tensor-model-parallel-size", "2", "--moe-parm-schedule", "megatron"],
+     "needs --sequence-parallel"),
+    ("expert_biases_with_esp2", 2, ["--num-experts", "4", "--expert-tensor-parallel-size", "2"],
+     "add --disable-bias-linear"),
+    ("global_batch_vs_micro_dp", 2, ["--micro-batch-size", "2", "--global-batch-size", "6"],
+     "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 2"),
+    ("topk_over_experts", 1, [*MOE, "--moe-router-topk", "5"],
+     "--moe-router-topk 5 must be between 1 and --num-experts 4"),
+    ("ep_without_experts", 2, ["--expert-model-parallel-size", "2"],
+     "--expert-model-parallel-size > 1 needs --num-experts"),
+    ("esp_ep_vs_world", 4, [*MOE, "--expert-model-parallel-size", "4",
+                            "--expert-tensor-parallel-size", "2"],
+     "--expert-tensor-parallel-size 2 x --expert-model-parallel-size 4 x"),
+    ("hidden_vs_heads", 1, ["--hidden-size", "100", "--num-attention-heads", "8"],
+     "--hidden-size 100 is not divisible by --num-attention-heads 8"),
+    ("seq_vs_tp_under_sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                               "--seq-length", "63"],
+     "--seq-length 63 is not divisible by --tensor-model-parallel-size 2"),
+    ("tp_zero", 1, ["--tensor-model-parallel-size", "0"],
+     "--tensor-model-parallel-size must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("world,argv,fragment", [c[1:] for c in BAD_LAYOUTS],
+                         ids=[c[0] for c in BAD_LAYOUTS])
+def test_bad_layout_names_the_flag(world, argv, fragment):
+    args = parse_args(argv, world_size=world)
+    with pytest.raises(LayoutError) as error:
+        validate_layout(args)
+    assert fragment in str(error.value), str(error.value)
+
+
+@pytest.mark.xfail(strict=True, raises=ZeroDivisionError,
+                   reason="parallel.py _validate_batch: --micro-batch-size 0 makes per_step 0 and "
+                          "`global_batch_size % per_step` raises ZeroDivisionError")
+def test_micro_batch_zero_is_a_layout_error():
+    with pytest.raises((LayoutError, ArgumentsError), match="--micro-batch-size"):
+        layout(1, "--micro-batch-size", "0")
+
+
+@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
+                   reason="parallel.py _validate_batch accepts --global-batch-size 0 or negative "
+                          "(num_microbatches 0 or -1) when --pipeline-model-parallel-size is 1")
+@pytest.mark.parametrize("global_batch", ["0", "-4"])
+def test_non_positive_global_batch_is_a_layout_error(global_batch):
+    with pytest.raises((LayoutError, ArgumentsError), match="--global-batch-size"):
+        layout(2, "--global-batch-size", global_batch)
+
+
+# --- parse_args: derived defaults and contradictions --------------------------------------------
+
+
+def test_derived_defaults():
+    args = parse_args(["--hidden-size", "64", "--seq-length", "32", "--train-iters", "50"],
+                      world_size=1)
+    assert args.ffn_hidden_size == 4 * 64
+    assert args.moe_ffn_hidden_size == 4 * 64  # follows --ffn-hidden-size
+    assert args.max_position_embeddings == 32
+    assert args.expert_tensor_parallel_size == 1  # follows --tensor-model-parallel-size
+    assert args.lr_decay_iters == 50
+    assert args.params_dtype == torch.float32
+    assert args.world_size == 1
+
+
+def test_derived_defaults_follow_other_flags():
+    args = parse_args(["--hidden-size", "64", "--ffn-hidden-size", "100",
+                       "--tensor-model-parallel-size", "2"], world_size=2)
+    assert args.ffn_hidden_size == 100
+    assert args.moe_ffn_hidden_size == 100
+    assert args.expert_tensor_parallel_size == 2
+
+
+def test_explicit_values_win_over_derived_defaults():
+    args = parse_args(["--hidden-size", "64", "--moe-ffn-hidden-size", "48",
+                       "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+                       "--train-iters", "50", "--lr-decay-iters", "40",
+                       "--max-position-embeddings", "512"], world_size=2)
+    assert args.ffn_hidden_size == 256
+    assert args.moe_ffn_hidden_size == 48
+    assert args.expert_tensor_parallel_size == 1
+    assert args.lr_decay_iters == 40
+    assert args.max_position_embeddings == 512
+
+
+def test_world_size_from_environment(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert parse_args([]).world_size == 8
+    assert parse_args([], world_size=2).world_size == 2
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--train-iters", "100", "--lr-warmup-iters", "100"], "--lr-warmup-iters"),
+    (["--train-iters", "100", "--lr-decay-iters", "10", "--lr-warmup-iters", "20"],
+     "--lr-warmup-iters"),
+    (["--use-distributed-optimizer", "--optimizer", "sgd"], "--use-distributed-optimizer"),
+    (["--train-iters", "0"], "--train-iters"),
+    (["--log-interval", "0"], "--log-interval"),
+    (["--eval-interval", "0"], "--eval-interval"),
+], ids=["warmup_eq_train", "warmup_over_decay", "distopt_sgd", "train_zero", "log_zero",
+        "eval_zero"])
+def test_contradictory_flags(argv, flag):
+    with pytest.raises(ArgumentsError, match=flag):
+        parse_args(argv, world_size=1)
+
+
+def test_warmup_below_decay_is_fine():
+    args = parse_args(["--train-iters", "100", "--lr-warmup-iters", "99"], world_size=1)
+    assert args.lr_warmup_iters == 99 and args.lr_decay_iters == 100
+
+
+# --- padded_vocab_size ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab", [1, 127, 128, 129, 2000, 8000, 32000, 50257, 151936])
+def test_padded_vocab_size_is_layout_free(vocab):
+    padded = {tp: padded_vocab_size(vocab, tp) for tp in (1, 2, 4, 8)}
+    assert len(set(padded.values())) == 1, padded
+    value = padded[1]
+    assert value % 128 == 0
+    assert all(value % tp == 0 for tp in (1, 2, 4, 8))
+    assert vocab <= value < vocab + 128
+
+
+def test_padded_vocab_size_unusual_tp():
+    for tp in (3, 6):
+        value = padded_vocab_size(2000, tp)
+        assert value % 128 == 0 and value % tp == 0 and 2000 <= value < 2000 + 128 * tp
+
+
+# --- flops_per_iteration ----------------------------------------------------------------------------
+
+
+def flops_args(*argv, world=1):
+    return layout(world, "--hidden-size", "64", "--seq-length", "32", "--num-layers", "2",
+                  "--micro-batch-size", "2", "--global-batch-size", "4", *argv)
+
+
+def test_flops_dense_by_hand():
+    args = flops_args("--ffn-hidden-size", "256")
+    h, s, L, F, V, B = 64, 32, 2, 256, 1024, 4
+    # Per token and layer, forward, 2 FLOPs per multiply-add:
+    qkvo = 4 * (2 * h * h)          # four h x h projections
+    scores = 2 * s * h + 2 * s * h  # Q K^T over s keys, then the weighted sum of s values
+    mlp = 2 * (2 * h * F)           # fc1 (h -> F) and fc2 (F -> h), no gate
+    logits = 2 * h * V
+    forward_per_token = L * (qkvo + scores + mlp) + logits
+    assert forward_per_token == 2 * (32768 + 8192 + 65536) + 131072 == 344064
+    expected = 3 * forward_per_token * (B * s)  # forward + backward (2x forward)
+    assert flops_per_iteration(args, vocab_size=V) == expected == 132_120_576
+
+
+def test_flops_reads_padded_vocab_from_args():
+    args = flops_args("--ffn-hidden-size", "256")
+    args.padded_vocab_size = 1024
+    assert flops_per_iteration(args) == flops_per_iteration(args, vocab_size=1024)
+
+
+def test_flops_moe_top1_equals_dense_plus_router():
+    E, H, V, h, s, L, B = 8, 96, 512, 64, 32, 2, 4
+    moe = flops_args("--num-experts", str(E), "--moe-router-topk", "1",
+                     "--moe-ffn-hidden-size", str(H), "--disable-bias-linear")
+    dense = flops_args("--ffn-hidden-size", str(H))
+    router = 3 * L * (2 * h * E) * (B * s)
+    assert flops_per_iteration(moe, V) == flops_per_iteration(dense, V) + router
+
+
+def test_flops_moe_swiglu_topk2_by_hand():
+    E, H, V, h, s, L, B, k = 4, 48, 256, 64, 32, 4, 4, 2
+    args = flops_args("--num-layers", str(L), "--num-experts", str(E), "--moe-router-topk",
+                      str(k), "--moe-ffn-hidden-size", str(H), "--ffn-hidden-size", "160",
+                      "--moe-layer-freq", "2", "--swiglu", "--disable-bias-linear")
+    attention = 8 * h * h + 4 * s * h
+    moe_mlp = 2 * h * E + k * (3 * 2 * h * H)  # router + k experts of three h x H matrices
+    dense_mlp = 3 * 2 * h * 160                # layers 1 and 3 stay dense
+    forward_per_token = L * attention + 2 * moe_mlp + 2 * dense_mlp + 2 * h * V
+    assert flops_per_iteration(args, V) == 3 * forward_per_token * B * s
+
+
+# --- PretrainingSampler -----------------------------------------------------------------------------
+
+
+def micro_batches(total, consumed, micro, rank, size):
+    return list(PretrainingSampler(total, consumed, micro, rank, size))
+
+
+def test_sampler_grouping_is_layout_free():
+    total, micro, global_batch = 40, 2, 8
+    single = micro_batches(total, 0, micro, 0, 1)
+    rank0 = micro_batches(total, 0, micro, 0, 2)
+    rank1 = micro_batches(total, 0, micro, 1, 2)
+    assert single[:4] == [[0, 1], [2, 3], [4, 5], [6, 7]]  # the first step, 4 micro-batches
+    interleaved = [batch for pair in zip(rank0, rank1) for batch in pair]
+    assert interleaved == single
+    # each step of the DP=2 run (2 micro-steps) covers exactly one global batch
+    steps = [sorted(sum(interleaved[i:i + global_batch // micro], []))
+             for i in range(0, len(interleaved), global_batch // micro)]
+    assert steps == [list(range(k * global_batch, (k + 1) * global_batch))
+                     for k in range(total // global_batch)]
+
+
+def test_sampler_resume_continues_where_a_fresh_one_is():
+    total, micro = 40, 2
+    for size in (1, 2, 4):
+        per_step = micro * size
+        for rank in range(size):
+            fresh = micro_batches(total, 0, micro, rank, size)
+            resumed = micro_batches(total, 8, micro, rank, size)
+            assert resumed == fresh[8 // per_step:], (size, rank)
+    assert micro_batches(total, 8, micro, 0, 1)[0] == [8, 9]
+
+
+def test_sampler_drops_incomplete_tail():
+    batches = micro_batches(10, 0, 2, 1, 2)
+    assert batches == [[2, 3], [6, 7]]
+    assert all(i < 10 for b in micro_batches(10, 0, 2, 0, 2) for i in b)
+
+
+def test_sampler_empty_dataset():
+    with pytest.raises(ValueError, match="empty"):
+        PretrainingSampler(0, 0, 2, 0, 1)
+
+
+# --- init_weights_layout_free on a tiny megatron GPTModel ---------------------------------------------
+
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--num-experts", "4", "--moe-ffn-hidden-size", "512", "--seq-length", "64",
+        "--disable-bias-linear"]
+VOCAB = 1024
+STD = 0.02
+
+
+@pytest.fixture(scope="module")
+def one_rank_world():
+    """A one-rank gloo world with megatron's process groups, torn down after this module."""
+    from megatron.core import parallel_state
+
+    from parm_trainer.compat import cpu
+
+    cpu.apply()
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    yield
+    parallel_state.destroy_model_parallel()
+    if created:
+        dist.destroy_process_group()
+
+
+def build_tiny(megatron_seed, *extra):
+    """Build the model with megatron's own init drawn from `megatron_seed`."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from parm_trainer.models.config import transformer_config
+    from parm_trainer.models.gpt import build_gpt_moe
+
+    args = layout(1, *TINY, *extra)
+    torch.manual_seed(megatron_seed)
+    model_parallel_cuda_manual_seed(megatron_seed)
+    return args, build_gpt_moe(args, transformer_config(args), VOCAB)
+
+
+def initialised(seed, megatron_seed, *extra):
+    from parm_trainer.models.init import init_weights_layout_free
+
+    args, model = build_tiny(megatron_seed, *extra)
+    written = init_weights_layout_free(model, seed, STD, args.num_layers)
+    return written, dict(model.named_parameters())
+
+
+def test_init_is_deterministic(one_rank_world):
+    raw_a = dict(build_tiny(1)[1].named_parameters())
+    raw_b = dict(build_tiny(2)[1].named_parameters())
+    assert any(not torch.equal(raw_a[k], raw_b[k]) for k in raw_a if raw_a[k].dim() >= 2), \
+        "megatron's own init should differ between the two builds, or the test proves nothing"
+
+    written, a = initialised(7, 1)
+    _, b = initialised(7, 2)
+    _, c = initialised(8, 1)
+    matrices = [k for k, p in a.items() if p.dim() >= 2]
+    assert written == len(matrices)
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name}: same seed, different weights"
+    for name in matrices:
+        assert not torch.equal(a[name], c[name]), f"{name}: different seeds, same weights"
+
+
+def test_init_std_and_vectors(one_rank_world):
+    _, params = initialised(11, 3)
+    scaled = STD / math.sqrt(2 * 2)
+    checked_scaled = checked_plain = 0
+    for name, param in params.items():
+        if param.dim() < 2:
+            # norm weights stay ones and biases zeros (megatron's constant init)
+            expected = torch.ones_like(param) if name.endswith(".weight") else torch.zeros_like(param)
+            assert torch.equal(param, expected), name
+            continue
+        std = param.detach().float().std().item()
+        if param.numel() >= 1000:
+            assert abs(param.detach().float().mean().item()) < 0.2 * STD, name
+        if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+            assert std == pytest.approx(scaled, rel=0.1), name
+            checked_scaled += 1
+        elif param.numel() >= 1000:
+            assert std == pytest.approx(STD, rel=0.1), name
+            checked_plain += 1
+    # 2 layers: 2 attention projections + 2 x 4 expert fc2; fc1, qkv, embeddings
+    assert checked_scaled == 2 + 2 * 4
+    assert checked_plain >= 2 + 2 + 2 * 4
+    assert any(p.dim() == 1 and n.endswith(".bias") for n, p in params.items())
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="models/init.py skips linear_fc1.weight under --swiglu: megatron's "
+                          "MLP.sharded_state_dict wraps it in a ShardedTensorFactory "
+                          "(apply_swiglu_sharded_factory), not a ShardedTensor, so it keeps "
+                          "megatron's layout-dependent init")
+def test_init_is_deterministic_with_swiglu(one_rank_world):
+    written, a = initialised(7, 1, "--swiglu")
+    _, b = initialised(7, 2, "--swiglu")
+    assert written == sum(p.dim() >= 2 for p in a.values())
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name}: same seed, different weights"
+
+
+# --- --help (last: its subprocess, _HELP, started at collection and ran beside the tests) ----------
+
+
+def test_help_runs():
+    stdout, stderr = _HELP.communicate(timeout=120)
+    assert _HELP.returncode == 0, stderr[-3000:]
+    for flag in ("--tensor-model-parallel-size", "--expert-tensor-parallel-size",
+                 "--moe-router-topk", "--global-batch-size", "--data-path"):
+        assert flag in stdout
+
+
+def test_every_flag_has_help():
+    parser = build_parser()
+    flags = [action for action in parser._actions if action.option_strings]
+    assert len(flags) > 50
+    missing = [action.option_strings[0] for action in flags
+               if not action.help or action.help == argparse.SUPPRESS or not action.help.strip()]
+    assert not missing, f"flags without help: {missing}"

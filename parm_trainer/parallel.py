@@ -60,6 +60,8 @@ def validate_layout(args: argparse.Namespace) -> None:
 
 def _validate_moe(args, tp, ep, etp) -> None:
     experts = args.num_experts
+    _require(experts is None or experts >= 1, "--num-experts must be at least 1")
+    _require(args.moe_layer_freq >= 1, "--moe-layer-freq must be at least 1")
     if experts is None:
         _require(ep == 1, "--expert-model-parallel-size > 1 needs --num-experts")
         return
@@ -99,6 +101,9 @@ def _validate_moe(args, tp, ep, etp) -> None:
 
 
 def _validate_batch(args) -> None:
+    _require(args.micro_batch_size >= 1, "--micro-batch-size must be at least 1")
+    _require(args.global_batch_size is None or args.global_batch_size >= 1,
+             "--global-batch-size must be at least 1")
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = per_step

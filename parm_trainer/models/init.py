@@ -15,7 +15,7 @@ import math
 import zlib
 
 import torch
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
 # Output projections get std / sqrt(2 * num_layers), as in GPT-2 and Megatron-LM.
 _SCALED = ("linear_proj.weight", "linear_fc2.weight")
@@ -36,6 +36,18 @@ def _full_then_slice(sharded: ShardedTensor, seed: int, std: float) -> torch.Ten
     return full[index]
 
 
+def _sharded_tensors(item):
+    """The ShardedTensors behind one sharded_state_dict entry; a ShardedTensorFactory (SwiGLU's
+    fc1 is stored as two halves) is built into its pieces, whose data are views of the param."""
+    if isinstance(item, ShardedTensor):
+        return [item]
+    if isinstance(item, ShardedTensorFactory):
+        built = item.build()
+        pieces = built.values() if isinstance(built, dict) else built
+        return [piece for part in pieces for piece in _sharded_tensors(part)]
+    return []
+
+
 def init_weights_layout_free(model: torch.nn.Module, seed: int, std: float, num_layers: int) -> int:
     """Overwrite every weight matrix of `model` (an unwrapped megatron module) in place.
 
@@ -43,17 +55,14 @@ def init_weights_layout_free(model: torch.nn.Module, seed: int, std: float, num_
     already layout-free. Returns the number of tensors written.
     """
     written = 0
-    params = dict(model.named_parameters())
     scaled_std = std / math.sqrt(2.0 * num_layers)
     with torch.no_grad():
-        for name, sharded in model.sharded_state_dict().items():
-            if not isinstance(sharded, ShardedTensor) or name not in params:
-                continue
-            if len(sharded.local_shape) < 2 or sharded.flattened_range is not None:
-                continue
-            this_std = scaled_std if sharded.key.endswith(_SCALED) else std
-            values = _full_then_slice(sharded, seed, this_std)
-            param = params[name]
-            param.copy_(values.view_as(param).to(param.dtype))
-            written += 1
+        for item in model.sharded_state_dict().values():
+            for sharded in _sharded_tensors(item):
+                if len(sharded.local_shape) < 2 or sharded.flattened_range is not None:
+                    continue
+                this_std = scaled_std if sharded.key.endswith(_SCALED) else std
+                values = _full_then_slice(sharded, seed, this_std)
+                sharded.data.copy_(values.view_as(sharded.data).to(sharded.data.dtype))
+                written += 1
     return written

@@ -44,8 +44,8 @@ PARALLEL_ARGS=(
 if [ "$TP" -gt 1 ]; then PARALLEL_ARGS+=(--sequence-parallel); fi
 TRAINING_ARGS=(
     --micro-batch-size "${MBS:-4}" --global-batch-size "${GBS:-16}"
-    --train-iters "${TRAIN_ITERS:-300}" --lr "${LR:-2e-3}" --min-lr "${MIN_LR:-2e-4}"
-    --lr-warmup-iters "${WARMUP:-20}" --lr-decay-style cosine --clip-grad 1.0
+    --train-iters "${TRAIN_ITERS:-300}" --lr "${LR:-1.5e-3}" --min-lr "${MIN_LR:-1.5e-4}"
+    --lr-warmup-iters "${WARMUP:-30}" --lr-decay-style cosine --clip-grad 1.0
     --weight-decay 0.1 --seed "${SEED:-1234}"
 )
 DATA_ARGS=(

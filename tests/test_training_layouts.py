@@ -9,9 +9,17 @@ import pytest
 
 from conftest import launch, tiny_gpt_args
 
+TP2_EP2_ESP2_SP = {"tensor-model-parallel-size": 2, "expert-model-parallel-size": 2,
+                   "expert-tensor-parallel-size": 2, "sequence-parallel": True}
 LAYOUTS = {
-    "tp2_ep2_esp2": (4, {"tensor-model-parallel-size": 2, "expert-model-parallel-size": 2,
-                         "expert-tensor-parallel-size": 2, "sequence-parallel": True}),
+    # the default schedule is Parm's s1; the others must train the same model identically
+    "tp2_ep2_esp2": (4, TP2_EP2_ESP2_SP),
+    "tp2_ep2_esp2_s2": (4, {**TP2_EP2_ESP2_SP, "moe-parm-schedule": "s2"}),
+    "tp2_ep2_esp2_baseline": (4, {**TP2_EP2_ESP2_SP, "moe-parm-schedule": "baseline"}),
+    "tp2_ep2_esp2_megatron": (4, {**TP2_EP2_ESP2_SP, "moe-parm-schedule": "megatron"}),
+    # without sequence parallelism s1 splits the replicated tokens itself; pipelined pairs
+    "tp2_ep2_s1_no_sp_chunks2": (4, {"tensor-model-parallel-size": 2,
+                                     "expert-model-parallel-size": 2, "moe-parm-chunks": 2}),
     # ESP differs from MP with EP=1: expert grads must be summed over the expert-DP group
     "tp2_esp1": (2, {"tensor-model-parallel-size": 2, "expert-tensor-parallel-size": 1,
                      "sequence-parallel": True}),

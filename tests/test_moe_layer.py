@@ -1,0 +1,265 @@
+"""One MoE layer under every schedule and layout, against the single-process reference.
+
+Three launches of tools/bench_moe_layer.py (2, 4 and 8 gloo ranks), each running many
+configurations in one go (its hidden --configs flag): every layout (MP, EP, ESP) that fits the
+world, with and without --sequence-parallel where MP > 1, and for each the schedules baseline,
+s1, s2 and megatron-core's MoELayer; the ones that cannot run a layout must be reported as
+skipped with a reason. Dropless fp32: output, input grad, gate grad, expert grads and the aux
+loss within 1e-5 of parm_trainer/moe/reference.py. The 2-rank launch's MP=EP=ESP=1 layout is
+two independent single-rank layers, megatron's own MoELayer included: it pins the reference's
+routing, expert and aux-loss definitions (objective sum(out * grad) + coeff * aux) to megatron.
+The 4-rank launch also checks Parm's byte volumes at a fixed padded capacity, against numbers
+computed here from the formulas of PARM.md and comm.py.
+
+    .venv/bin/python -m pytest tests/test_moe_layer.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+TOL = 1e-5
+SCHEDULES = ("baseline", "s1", "s2", "megatron")
+DIFF_KEYS = ("output", "input_grad", "gate_grad", "expert_grad", "aux_loss")
+SMALL = {"num-experts": 4, "moe-router-topk": 2, "hidden-size": 32, "moe-ffn-hidden-size": 64,
+         "seq-length": 16, "micro-batch-size": 2, "moe-aux-loss-coeff": 0.1, "iters": 0,
+         "warmup": 0, "schedules": ",".join(SCHEDULES)}
+
+
+def argv_of(flags: dict) -> list:
+    out = []
+    for key, value in flags.items():
+        if value is False or value is None:
+            continue
+        out.append(f"--{key}")
+        if value is not True:
+            out.append(str(value))
+    return out
+
+
+def config(mp, ep, esp, sp=False, name=None, **extra):
+    flags = {**SMALL, "tensor-model-parallel-size": mp, "expert-model-parallel-size": ep,
+             "expert-tensor-parallel-size": esp, "sequence-parallel": sp, **extra}
+    name = name or f"mp{mp}-ep{ep}-esp{esp}{'-sp' if sp else ''}"
+    return {"name": name, "argv": argv_of(flags), "layout": (mp, ep, esp, sp), "flags": flags}
+
+
+def layouts(world, sizes=(1, 2)):
+    """Every (MP, EP, ESP) in sizes^3 that fits `world`, SP on and off where MP > 1."""
+    out = []
+    for mp in sizes:
+        for ep in sizes:
+            for esp in sizes:
+                if world % mp or world % (ep * esp):
+                    continue
+                out.append(config(mp, ep, esp))
+                if mp > 1:
+                    out.append(config(mp, ep, esp, sp=True))
+    return out
+
+
+def run_launch(nproc, configs, tmp_path, timeout=240, dump=None):
+    cfg_file, out_file = tmp_path / f"configs{nproc}.json", tmp_path / f"out{nproc}.json"
+    cfg_file.write_text(json.dumps([{"name": c["name"], "argv": c["argv"]} for c in configs]))
+    command = [sys.executable, "tools/bench_moe_layer.py", "--nproc", str(nproc),
+               "--configs", str(cfg_file), "--json", str(out_file)]
+    if dump:
+        command += ["--dump", str(dump)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                            env=env)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    runs = json.loads(out_file.read_text())["runs"]
+    assert [r["name"] for r in runs] == [c["name"] for c in configs]
+    return {r["name"]: r for r in runs}, result.stdout
+
+
+def should_run(schedule, mp, esp, sp):
+    if schedule == "baseline":
+        # ESP = MP (DeepSpeed's TED) or ESP = 1. parallel.validate_layout also admits MP = 1
+        # with ESP > 1, where the baseline's ESP all-reduce sums different DP replicas' tokens;
+        # the bench tool skips that layout itself.
+        return esp in (1, mp)
+    if schedule == "megatron":
+        return mp == 1 or sp
+    return True
+
+
+def check_correct(configs, runs):
+    """Every schedule that can run the layout ran and matches the reference; the others are
+    skipped with a reason. Returns the list of problems (empty when all is well)."""
+    problems, checked = [], 0
+    for c in configs:
+        mp, ep, esp, sp = c["layout"]
+        run = runs[c["name"]]
+        wanted = c["flags"]["schedules"].split(",")
+        assert list(run["schedules"]) == wanted, (c["name"], list(run["schedules"]))
+        for schedule, result in run["schedules"].items():
+            where = f"{c['name']}/{schedule}"
+            if not should_run(schedule, mp, esp, sp):
+                if result["status"] != "skipped" or not result.get("reason"):
+                    problems.append(f"{where}: expected skipped with a reason, got {result}")
+                continue
+            if result["status"] != "ok":
+                problems.append(f"{where}: {result}")
+                continue
+            for key in DIFF_KEYS:
+                diff = result["max_abs_diff"][key]
+                if diff is None or not diff < TOL:
+                    problems.append(f"{where}: {key} differs by {diff}")
+                # The comparison means something: the reference values dwarf the tolerance.
+                if result["reference_max_abs"][key] < 1e2 * TOL:
+                    problems.append(f"{where}: reference {key} too small to test "
+                                    f"({result['reference_max_abs'][key]})")
+            checked += 1
+    return problems, checked
+
+
+# --- 2 ranks ------------------------------------------------------------------------------
+
+def test_two_ranks_every_layout_and_dump(tmp_path):
+    configs = layouts(2)
+    assert {c["layout"][:3] for c in configs} == {(1, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 1),
+                                                   (2, 1, 2), (2, 2, 1)}
+    dump = tmp_path / "dump"
+    configs[0]["flags"]["iters"] = 1  # time one configuration (the rest only check)
+    configs[0]["argv"] = argv_of(configs[0]["flags"])
+    runs, stdout = run_launch(2, configs, tmp_path, dump=dump)
+    problems, checked = check_correct(configs, runs)
+    assert not problems, "\n".join(problems)
+    assert checked >= 20
+
+    # The single-rank layout: megatron's own MoELayer matches the reference.
+    single = runs["mp1-ep1-esp1"]["schedules"]["megatron"]
+    assert single["status"] == "ok" and single["aux_loss"] > 0
+    assert single["forward_ms"]["max"] > 0 and single["backward_ms"]["max"] > 0
+    # Skips appear in the printed table with their reason too.
+    assert "skipped: --moe-parm-schedule baseline" in stdout
+    assert "skipped: MoE with --tensor-model-parallel-size > 1" in stdout
+
+    # The dump of the first configuration (DP replica 0) reproduces with reference.py here.
+    from parm_trainer.moe.reference import moe_reference
+
+    d = dump / configs[0]["name"]
+    x, g = torch.load(d / "input.pt"), torch.load(d / "output_grad.pt")
+    w = torch.load(d / "weights.pt")
+    assert x.shape == (16 * 2, 32) and w["fc1"].shape == (4, 64, 32)
+    assert w["fc2"].shape == (4, 32, 64) and w["gate"].shape == (4, 32)
+    assert w["activation"] == "gelu" and "top-k" in w["router"]
+    x = x.clone().requires_grad_()
+    ref = moe_reference(x, w["gate"], w["fc1"], w["fc2"], topk=2, aux_loss_coeff=0.1)
+    ((ref.output * g).sum() + ref.aux_loss).backward()
+    for schedule in SCHEDULES:
+        out = torch.load(d / f"{schedule}_output.pt")
+        in_grad = torch.load(d / f"{schedule}_input_grad.pt")
+        assert (out - ref.output).abs().max() < TOL, schedule
+        assert (in_grad - x.grad).abs().max() < TOL, schedule
+
+
+# --- 4 ranks ------------------------------------------------------------------------------
+
+BYTES_FLAGS = {"seq-length": 64, "micro-batch-size": 2, "hidden-size": 64,
+               "moe-ffn-hidden-size": 128, "moe-expert-capacity-factor": 1.0,
+               "moe-pad-expert-input-to-capacity": True}
+
+
+def expected_forward_bytes(schedule, mp, ep, esp, sp, n, m, e, k, f):
+    """Sent bytes per rank of one forward pass, from PARM.md's volumes and comm.py's ring
+    formulas (4-byte elements): alltoall sends (W-1)/W of its input, allgather (W-1) times its
+    piece, reducescatter (W-1)/W of its input, allreduce 2 (W-1)/W."""
+    cap = math.ceil(n * k / e * f)              # baseline / s2: one gate call on N tokens
+    cap_s1 = math.ceil((n // mp) * k / e * f)   # s1: one gate call on N/G tokens
+    local = {"baseline": cap, "s1": cap_s1, "s2": cap // mp}[schedule]
+    block = e * local * m * 4                   # the dispatched (E, C_local, M) tensor
+    out = {"alltoall": 2 * block * (ep - 1) // ep}
+    if schedule == "baseline":
+        out["allreduce"] = 2 * block * (esp - 1) // esp
+    else:
+        out["allgather"] = block * (esp - 1)                   # ESP-AllGather
+        out["reducescatter"] = block * esp * (esp - 1) // esp  # ESP-ReduceScatter
+        if schedule == "s2":
+            out["allgather"] += block * (mp - 1)                # MP-AllGather of the capacity
+    tokens = (n // mp) * m * 4 * (mp - 1)  # MP-AllGather of a 1/G token slice
+    if (schedule == "s1") != sp:  # s1's output without SP; baseline's and s2's input with SP
+        out["allgather"] = out.get("allgather", 0) + tokens
+    return out, cap, cap_s1
+
+
+def test_four_ranks_every_layout_chunks_and_bytes(tmp_path):
+    configs = layouts(4)
+    assert len({c["layout"][:3] for c in configs}) == 8  # every MP, EP, ESP in {1, 2}
+    configs += [
+        config(2, 2, 2, name="chunks2", **{"moe-parm-chunks": 2, "schedules": "s1,s2"}),
+        config(2, 2, 2, sp=True, name="chunks2-sp",
+               **{"moe-parm-chunks": 2, "schedules": "s1,s2"}),
+        config(2, 2, 1, sp=True, name="megatron-allgather",
+               **{"moe-token-dispatcher-type": "allgather", "schedules": "megatron"}),
+        # Token dropping: capacity counted per gate call, as the reference does for each.
+        config(2, 2, 2, name="drop", **{"moe-expert-capacity-factor": 1.0}),
+        config(2, 2, 2, sp=True, name="drop-sp", **{"moe-expert-capacity-factor": 1.0}),
+        config(2, 2, 2, name="bytes", **BYTES_FLAGS, iters=1),
+        config(2, 2, 2, sp=True, name="bytes-sp", **BYTES_FLAGS),
+    ]
+    runs, _ = run_launch(4, configs, tmp_path)
+    problems, checked = check_correct(configs, runs)
+    assert not problems, "\n".join(problems)
+    assert checked >= 45
+
+    n, m, e, k, f = 64 * 2, 64, 4, 2, 1.0
+    for name, sp in (("bytes", False), ("bytes-sp", True)):
+        schedules = runs[name]["schedules"]
+        assert schedules["megatron"]["bytes"] is None
+        if not sp:
+            assert schedules["megatron"]["status"] == "skipped"
+        a2a = {}
+        for schedule in ("baseline", "s1", "s2"):
+            want, cap, cap_s1 = expected_forward_bytes(schedule, 2, 2, 2, sp, n, m, e, k, f)
+            assert cap_s1 * 2 == cap == 64  # C divides evenly: C_s1 = C / G exactly
+            got = schedules[schedule]["bytes"]
+            for kind in ("alltoall", "allgather", "reducescatter", "allreduce"):
+                assert got["forward"][kind] == [want.get(kind, 0)] * 4, (name, schedule, kind)
+            # The backward AlltoAlls mirror the forward ones.
+            assert got["backward"]["alltoall"] == got["forward"]["alltoall"], (name, schedule)
+            a2a[schedule] = got["forward"]["alltoall"]
+        mp_groups = ([0, 1], [2, 3])  # megatron's rank order: MP is the innermost dimension
+        for group in mp_groups:
+            base = sum(a2a["baseline"][r] for r in group)
+            # two AlltoAlls of (E, C, M) fp32, each sending half of it, on each of 2 ranks
+            assert base == 2 * (2 * (e * 64 * m * 4) // 2)
+            for schedule in ("s1", "s2"):
+                assert 2 * sum(a2a[schedule][r] for r in group) == base, (name, schedule)
+    timed = runs["bytes"]["schedules"]
+    for schedule in ("baseline", "s1", "s2"):
+        assert timed[schedule]["forward_ms"]["rank0"] > 0
+        assert timed[schedule]["fwd_bwd_ratio_to_baseline"] > 0
+    assert timed["baseline"]["fwd_bwd_ratio_to_baseline"] == pytest.approx(1.0)
+
+
+# --- 8 ranks ------------------------------------------------------------------------------
+
+def test_eight_ranks(tmp_path):
+    configs = [config(4, 2, 4), config(4, 2, 4, sp=True), config(2, 2, 2), config(2, 2, 2, sp=True),
+               config(4, 2, 4, name="mp4-chunks3-sp", sp=True,
+                      **{"moe-parm-chunks": 3, "schedules": "s1,s2"})]
+    runs, _ = run_launch(8, configs, tmp_path, timeout=300)
+    problems, checked = check_correct(configs, runs)
+    assert not problems, "\n".join(problems)
+    assert checked >= 12
+    assert runs["mp2-ep2-esp2"]["config"]["data_parallel_size"] == 4
+
+
+def test_help_states_router_and_activation():
+    result = subprocess.run([sys.executable, "tools/bench_moe_layer.py", "--help"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "softmax over the top-k logits" in result.stdout
+    assert "gelu" in result.stdout

@@ -1,0 +1,706 @@
+"""python tools/bench_moe_layer.py --nproc 4 --tensor-model-parallel-size 2 --expert-model-parallel-size 2 --expert-tensor-parallel-size 2 --num-experts 4 --moe-router-topk 2 --hidden-size 64 --moe-ffn-hidden-size 128 --seq-length 64 --micro-batch-size 2 --schedules baseline,s1,s2,megatron --iters 10 --warmup 2 --json bench.json
+
+One MoE layer, forward and backward, under several schedules in one launch: Parm's baseline
+(DeepSpeed-MoE TED), s1 and s2 (ParmMoELayer) and megatron-core's own MoELayer ("megatron").
+Every schedule gets the same full weights and the same data, and is checked against the
+single-process reference (parm_trainer/moe/reference.py); it is timed, and its collectives'
+bytes are read from parm_trainer.moe.comm.LEDGER.
+
+With --nproc N the tool starts N ranks itself (torchrun, gloo on CPU, nccl on GPU); without it,
+it is one rank of a job started by torchrun (so the same tool measures multi-node layouts).
+
+Layer: router logits = x @ gate.T; each token picks its top-k logits and its routing
+probabilities are the softmax over those k logits (megatron-core's default router); expert
+e(x) = fc2[e] @ gelu(fc1[e] @ x), no biases; output = sum over the chosen experts of
+probability * expert(x). Load-balancing loss: megatron-core's switch aux loss, coeff * E /
+(k * T^2) * sum_e count_e * sum_t softmax(logits)[t, e]; the backward objective is
+sum(out * output_grad) + coeff * aux.
+
+Data. Weights are drawn in full on every rank from --seed (gate [E, M] and fc1 [E, H, M] with
+std --init-method-std, fc2 [E, M, H] with std / sqrt(2 * --num-layers)) and each rank keeps its
+EP/ESP slice. Each data-parallel replica d draws its own full input [S, B, M] and output
+gradient from (--seed, d); a rank feeds its slice (the sequence shard of its MP rank under
+--sequence-parallel, else all of it).
+
+Checks (max abs difference to the reference, max over ranks):
+  output, input grad   each rank's result gathered over MP to the full [S, B, M] of its replica
+                       and compared with the reference on that replica's data
+  gate grad            summed over MP where megatron marks it sequence-parallel (as its
+                       finalize_model_grads does), then over the data-parallel group; compared
+                       with the reference's gradient summed over all replicas
+  expert grads         each rank's fc1/fc2 shard, summed over the expert-data-parallel group,
+                       against the same slice of the reference's gradient summed over replicas
+                       (every element of the full [E, H, M] / [E, M, H] is some rank's slice)
+  aux loss             the tracked load_balancing_loss (before the coefficient), summed over
+                       the group megatron-core reduces it over, against the replica's reference
+Without DDP nothing averages over replicas, so sums are compared with sums.
+With a capacity factor the reference counts capacity per gate call as the schedule does
+(s1: one call per MP rank; megatron under --sequence-parallel: one per sequence shard).
+
+Timing: the median of --iters iterations after --warmup, per rank with no barrier
+(torch.cuda.synchronize on GPU), reported for rank 0 and as the max over ranks; the ratio to
+the baseline uses the max. Bytes: sent per rank by collective kind (received is the same) for
+one iteration, forward and backward, from the ledger (null for megatron, whose collectives the
+ledger does not see).
+
+--json OUT: the config and, per schedule, status (ok or skipped, with the reason), times, bytes
+and differences. --dump DIR (DP replica 0): input.pt and output_grad.pt ([S*B, M], sequence-
+major, i.e. [S, B, M].reshape), weights.pt (gate, fc1, fc2, activation, router) and
+<schedule>_output.pt / <schedule>_input_grad.pt (full, same order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+# Run from a checkout without installing: make parm_trainer importable.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+# megatron-core warns about optional GPU extensions at import, torch about collective names.
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|is deprecated).*")
+from parm_trainer.arguments import parse_args  # noqa: E402
+from parm_trainer.moe.reference import ACTIVATION, ROUTER  # noqa: E402
+
+SCHEDULE_NAMES = ("baseline", "s1", "s2", "megatron")
+KINDS = ("alltoall", "allgather", "reducescatter", "allreduce")
+DIFF_KEYS = ("output", "input_grad", "gate_grad", "expert_grad", "aux_loss")
+TOOL_HELP = f"""\
+bench_moe_layer: one MoE layer, forward and backward, under several schedules.
+Router: logits = x @ gate.T; {ROUTER} (megatron-core's default "softmax" score function,
+pre-softmax off); dropless unless --moe-expert-capacity-factor. Activation: {ACTIVATION}
+(torch.nn.functional.gelu, megatron-core's default); experts have no biases. Aux loss:
+megatron-core's switch load-balancing loss. fp32 only."""
+
+
+class ToolError(ValueError):
+    """Flags the tool cannot run with; the message names them."""
+
+
+# --- flags ---------------------------------------------------------------------------------
+
+def add_tool_args(parser: argparse.ArgumentParser) -> None:
+    parser.description = TOOL_HELP
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    g = parser.add_argument_group("bench_moe_layer")
+    g.add_argument("--nproc", type=int, default=None,
+                   help="Start this many ranks on this machine (torchrun); without it the tool "
+                        "is one rank of a job torchrun started.")
+    g.add_argument("--schedules", default="baseline,s1,s2,megatron",
+                   help=f"Comma-separated schedules to run, from {','.join(SCHEDULE_NAMES)}. "
+                        "One that cannot run the layout is reported as skipped, with the reason.")
+    g.add_argument("--iters", type=int, default=10, help="Timed iterations (median reported).")
+    g.add_argument("--warmup", type=int, default=2, help="Untimed iterations first.")
+    g.add_argument("--json", default=None, help="Write the results here (rank 0).")
+    g.add_argument("--dump", default=None,
+                   help="Write full input, output gradient, weights and each schedule's output "
+                        "and input gradient of data-parallel replica 0 here (torch.save).")
+    # Hidden: a JSON file holding a list of {"name": ..., "argv": [...]}; every entry is run in
+    # this one launch (the world size stays, the layout may change), --json gets {"runs": [...]}.
+    g.add_argument("--configs", default=None, help=argparse.SUPPRESS)
+
+
+def parse(argv, world_size=None):
+    args = parse_args(argv, add_tool_args, world_size=world_size)
+    args.schedule_list = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    unknown = [s for s in args.schedule_list if s not in SCHEDULE_NAMES]
+    if unknown or not args.schedule_list:
+        raise ToolError(f"--schedules: unknown {unknown}; choose from {','.join(SCHEDULE_NAMES)}")
+    if args.iters < 0 or args.warmup < 0:
+        raise ToolError("--iters and --warmup must not be negative")
+    if args.swiglu:
+        raise ToolError("--swiglu: the reference implements the gelu expert only")
+    if args.bf16:
+        raise ToolError("--bf16: the tool compares fp32 layers with an fp32 reference")
+    if args.moe_z_loss_coeff:
+        raise ToolError("--moe-z-loss-coeff: the reference has no z-loss")
+    if args.moe_router_load_balancing_type not in ("aux_loss", "none"):
+        raise ToolError("--moe-router-load-balancing-type: the reference implements aux_loss")
+    if args.moe_router_load_balancing_type == "none":
+        args.moe_aux_loss_coeff = 0.0
+    if args.num_experts is None and not args.configs:
+        raise ToolError("--num-experts is required")
+    args.disable_bias_linear = True  # experts and router without biases, as the reference
+    args.hidden_dropout = args.attention_dropout = 0.0
+    return args
+
+
+# --- launcher ------------------------------------------------------------------------------
+
+def _strip_nproc(argv):
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == "--nproc":
+            skip = True
+        elif not item.startswith("--nproc="):
+            out.append(item)
+    return out
+
+
+def launch(argv, nproc: int) -> int:
+    """Re-run this tool as `nproc` ranks under torchrun on this machine."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(nproc), os.path.abspath(__file__), *_strip_nproc(argv)]
+    return subprocess.call(command, env=env)
+
+
+# --- the worker ----------------------------------------------------------------------------
+
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _generator(*key) -> torch.Generator:
+    seed = 0
+    for part in key:
+        seed = (seed * 1_000_003 + int(part)) % (2 ** 62)
+    return torch.Generator().manual_seed(seed)
+
+
+def full_weights(args):
+    """gate [E, M], fc1 [E, H, M], fc2 [E, M, H], the same on every rank."""
+    e, m, h, std = args.num_experts, args.hidden_size, args.moe_ffn_hidden_size, args.init_method_std
+    gen = _generator(args.seed, 1)
+    gate = torch.empty(e, m).normal_(0.0, std, generator=gen)
+    fc1 = torch.empty(e, h, m).normal_(0.0, std, generator=gen)
+    fc2 = torch.empty(e, m, h).normal_(0.0, std / math.sqrt(2.0 * args.num_layers), generator=gen)
+    return {"gate": gate, "fc1": fc1, "fc2": fc2}
+
+
+def replica_data(args, dp_index: int):
+    """Full input and output gradient [S, B, M] of data-parallel replica dp_index."""
+    shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
+    gen = _generator(args.seed, 2, dp_index)
+    return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+
+
+def _layout_key(args):
+    return (args.tensor_model_parallel_size, args.expert_model_parallel_size,
+            args.expert_tensor_parallel_size, args.pipeline_model_parallel_size)
+
+
+_CURRENT_LAYOUT = [None]
+
+
+def set_layout(args) -> None:
+    """Start torch.distributed on first use; (re)build megatron's groups for args' layout."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from parm_trainer.parallel import initialize_distributed
+
+    key = _layout_key(args)
+    if _CURRENT_LAYOUT[0] != key:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        initialize_distributed(args)
+        _CURRENT_LAYOUT[0] = key
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+
+
+def build_layer(name, config, args):
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from parm_trainer.moe.layer import ParmMoELayer
+
+    spec = get_moe_module_spec(use_te=False, num_experts=args.num_experts, moe_grouped_gemm=False)
+    if name == "megatron":
+        layer = MoELayer(config, spec.submodules, layer_number=1)
+    else:
+        layer = ParmMoELayer(config, spec.submodules, layer_number=1, schedule=name,
+                             chunks=args.moe_parm_chunks)
+    layer.set_layer_number(1)  # as TransformerLayer does; the router tracks its aux loss by it
+    return layer
+
+
+def load_weights(layer, weights, args):
+    """Copy this rank's EP/ESP slices of the full weights into the layer."""
+    from megatron.core import parallel_state
+
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    esp_rank = parallel_state.get_expert_tensor_parallel_rank()
+    esp = args.expert_tensor_parallel_size
+    local = args.num_experts // args.expert_model_parallel_size
+    h = args.moe_ffn_hidden_size // esp
+    rows = slice(esp_rank * h, (esp_rank + 1) * h)
+    with torch.no_grad():
+        layer.router.weight.copy_(weights["gate"])
+        for i, expert in enumerate(layer.experts.local_experts):
+            e = ep_rank * local + i
+            expert.linear_fc1.weight.copy_(weights["fc1"][e, rows, :])
+            expert.linear_fc2.weight.copy_(weights["fc2"][e, :, rows])
+    return [(ep_rank * local + i, rows) for i in range(len(layer.experts.local_experts))]
+
+
+class Replica:
+    """This rank's replica data and the reference results on it (cached per gate-call count)."""
+
+    def __init__(self, args, weights, device):
+        from megatron.core import parallel_state
+
+        self.args, self.device = args, device
+        self.dp_index = parallel_state.get_data_parallel_rank()
+        self.mp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.mp_size = args.tensor_model_parallel_size
+        x, g = replica_data(args, self.dp_index)
+        self.input, self.output_grad = x.to(device), g.to(device)
+        self.weights = {k: v.to(device) for k, v in weights.items()}
+        self._refs = {}
+
+    def local(self, full, sequence_parallel: bool):
+        if not sequence_parallel:
+            return full.clone()
+        return full.chunk(self.mp_size, dim=0)[self.mp_rank].contiguous()
+
+    def reference(self, gate_calls: int):
+        """Reference output, input grad and raw aux on this replica; weight grads summed over
+        all replicas (an all-reduce over the DP group: every rank must ask for the same keys in
+        the same order)."""
+        from megatron.core import parallel_state
+
+        from parm_trainer.moe.reference import moe_reference
+
+        args = self.args
+        if args.moe_expert_capacity_factor is None:
+            gate_calls = 1
+        if gate_calls not in self._refs:
+            s, b, m = self.input.shape
+            x = self.input.reshape(s * b, m).clone().requires_grad_()
+            w = {k: v.clone().requires_grad_() for k, v in self.weights.items()}
+            ref = moe_reference(x, w["gate"], w["fc1"], w["fc2"], args.moe_router_topk,
+                                aux_loss_coeff=args.moe_aux_loss_coeff,
+                                capacity_factor=args.moe_expert_capacity_factor,
+                                gate_calls=gate_calls)
+            objective = (ref.output * self.output_grad.reshape(s * b, m)).sum()
+            if args.moe_aux_loss_coeff:
+                objective = objective + ref.aux_loss
+            objective.backward()
+            grads = {k: v.grad.detach().clone() for k, v in w.items()}
+            for k in ("gate", "fc1", "fc2"):
+                torch.distributed.all_reduce(grads[k], group=parallel_state.get_data_parallel_group())
+            self._refs[gate_calls] = {
+                "output": ref.output.detach().view(s, b, m),
+                "input_grad": x.grad.detach().view(s, b, m),
+                "aux_loss": ref.raw_aux_loss.detach(),
+                **{f"{k}_grad_total": v for k, v in grads.items()},
+            }
+        return self._refs[gate_calls]
+
+
+def _gather_mp(local, sequence_parallel):
+    from megatron.core import parallel_state
+
+    if not sequence_parallel or parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return local
+    group = parallel_state.get_tensor_model_parallel_group()
+    pieces = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(pieces, local.contiguous(), group=group)
+    return torch.cat(pieces, dim=0)
+
+
+def _max_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=_device())
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t.item()
+
+
+def _gate_calls(name, args):
+    if name == "s1":
+        return args.tensor_model_parallel_size
+    if name == "megatron" and args.sequence_parallel:
+        return args.tensor_model_parallel_size
+    return 1
+
+
+def _tracked_aux(device):
+    """The tracked load_balancing_loss of layer 1, summed over its reduce group; None if the
+    layer tracked none."""
+    from megatron.core.transformer.moe import moe_utils
+
+    entry = moe_utils.get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+    if entry is None:
+        return None
+    value = entry["values"][0].detach().clone().to(device)
+    if entry.get("reduce_group") is not None:
+        torch.distributed.all_reduce(value, group=entry["reduce_group"])
+    return value
+
+
+def _clear_tracker():
+    from megatron.core.transformer.moe import moe_utils
+
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    tracker.pop("load_balancing_loss", None)
+
+
+def _ledger_snapshot():
+    from parm_trainer.moe.comm import LEDGER
+
+    return {key: row["sent"] for key, row in LEDGER.totals(per_phase=True).items()}
+
+
+def _bytes_report(per_rank):
+    """per_rank: [{"kind/group/phase": sent}] -> {phase: {kind: [sent per rank]},
+    "by_group": {phase: {"kind/group": [sent per rank]}}}."""
+    world = len(per_rank)
+    out = {phase: {kind: [0] * world for kind in KINDS} for phase in ("forward", "backward")}
+    by_group = {"forward": {}, "backward": {}}
+    for rank, rows in enumerate(per_rank):
+        for key, sent in rows.items():
+            kind, group, phase = key.split("/")
+            out[phase][kind][rank] += sent
+            by_group[phase].setdefault(f"{kind}/{group}", [0] * world)[rank] += sent
+    out["by_group"] = by_group
+    return out
+
+
+def _median(values):
+    return statistics.median(values) if values else None
+
+
+def run_schedule(name, args, replica, weights, device, dump_dir):
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from parm_trainer.models.config import transformer_config
+    from parm_trainer.moe.comm import LEDGER
+
+    config = transformer_config(args)
+    layer = build_layer(name, config, args)
+    shards = load_weights(layer, weights, args)
+    layer.to(device)
+    layer.train()
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, device=device))
+    sp = args.sequence_parallel
+    x_local = replica.local(replica.input, sp)
+    g_local = replica.local(replica.output_grad, sp)
+
+    def step():
+        for p in layer.parameters():
+            p.grad = None
+        x = x_local.detach().clone().requires_grad_()
+        _sync()
+        t0 = time.perf_counter()
+        out, _ = layer(x)
+        _sync()
+        t1 = time.perf_counter()
+        out.backward(g_local)
+        _sync()
+        t2 = time.perf_counter()
+        return x, out, (t1 - t0) * 1e3, (t2 - t1) * 1e3
+
+    # One iteration for correctness and bytes.
+    _clear_tracker()
+    LEDGER.reset()
+    x, out, _, _ = step()
+    bytes_local = _ledger_snapshot()
+    aux = _tracked_aux(device)
+    ref = replica.reference(_gate_calls(name, args))
+
+    diffs, scale = {}, {}
+    full_out = _gather_mp(out.detach(), sp)
+    full_in_grad = _gather_mp(x.grad.detach(), sp)
+    diffs["output"] = (full_out - ref["output"]).abs().max().item()
+    diffs["input_grad"] = (full_in_grad - ref["input_grad"]).abs().max().item()
+    scale["output"] = ref["output"].abs().max().item()
+    scale["input_grad"] = ref["input_grad"].abs().max().item()
+
+    gate_grad = layer.router.weight.grad.detach().clone()
+    if getattr(layer.router.weight, "sequence_parallel", False):
+        torch.distributed.all_reduce(gate_grad,
+                                     group=parallel_state.get_tensor_model_parallel_group())
+    torch.distributed.all_reduce(gate_grad, group=parallel_state.get_data_parallel_group())
+    diffs["gate_grad"] = (gate_grad - ref["gate_grad_total"]).abs().max().item()
+    scale["gate_grad"] = ref["gate_grad_total"].abs().max().item()
+
+    edp = parallel_state.get_expert_data_parallel_group()
+    worst, biggest = 0.0, 0.0
+    for expert, (e, rows) in zip(layer.experts.local_experts, shards):
+        for param, want in ((expert.linear_fc1.weight, ref["fc1_grad_total"][e, rows, :]),
+                            (expert.linear_fc2.weight, ref["fc2_grad_total"][e, :, rows])):
+            grad = param.grad.detach().clone()
+            torch.distributed.all_reduce(grad, group=edp)
+            worst = max(worst, (grad - want).abs().max().item())
+            biggest = max(biggest, want.abs().max().item())
+    diffs["expert_grad"], scale["expert_grad"] = worst, biggest
+
+    if args.moe_aux_loss_coeff:
+        if aux is None:
+            diffs["aux_loss"] = float("inf")
+        else:
+            diffs["aux_loss"] = (aux - ref["aux_loss"]).abs().item()
+        scale["aux_loss"] = ref["aux_loss"].abs().item()
+    else:
+        diffs["aux_loss"] = scale["aux_loss"] = None
+    for key in DIFF_KEYS:
+        if diffs[key] is not None:
+            diffs[key] = _max_over_ranks(diffs[key])
+
+    if dump_dir and torch.distributed.get_rank() == 0:
+        s, b, m = full_out.shape
+        torch.save(full_out.reshape(s * b, m).cpu(), os.path.join(dump_dir, f"{name}_output.pt"))
+        torch.save(full_in_grad.reshape(s * b, m).cpu(),
+                   os.path.join(dump_dir, f"{name}_input_grad.pt"))
+    del x, out
+
+    # Timing.
+    fwd, bwd = [], []
+    for i in range(args.warmup + args.iters):
+        _clear_tracker()
+        *_, f, b = step()
+        if i >= args.warmup:
+            fwd.append(f)
+            bwd.append(b)
+    _clear_tracker()
+    times = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(times, (_median(fwd), _median(bwd)))
+    ledger = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(ledger, bytes_local)
+
+    def timing(index):
+        per_rank = [t[index] for t in times]
+        if per_rank[0] is None:
+            return None
+        return {"rank0": per_rank[0], "max": max(per_rank), "per_rank": per_rank}
+
+    result = {
+        "status": "ok",
+        "plan": str(layer.plan) if hasattr(layer, "plan") else
+                f"megatron-core MoELayer ({args.moe_token_dispatcher_type} dispatcher)",
+        "forward_ms": timing(0),
+        "backward_ms": timing(1),
+        "bytes": None if name == "megatron" else _bytes_report(ledger),
+        "max_abs_diff": diffs,
+        "reference_max_abs": scale,
+        "aux_loss": None if aux is None else aux.item(),
+    }
+    return result
+
+
+def _config_summary(args):
+    from megatron.core import parallel_state  # noqa: F401
+
+    return {
+        "world_size": args.world_size,
+        "device": str(_device()),
+        "backend": args.distributed_backend,
+        "tensor_model_parallel_size": args.tensor_model_parallel_size,
+        "expert_model_parallel_size": args.expert_model_parallel_size,
+        "expert_tensor_parallel_size": args.expert_tensor_parallel_size,
+        "data_parallel_size": args.world_size // (args.tensor_model_parallel_size
+                                                  * args.pipeline_model_parallel_size),
+        "sequence_parallel": args.sequence_parallel,
+        "num_experts": args.num_experts,
+        "moe_router_topk": args.moe_router_topk,
+        "hidden_size": args.hidden_size,
+        "moe_ffn_hidden_size": args.moe_ffn_hidden_size,
+        "seq_length": args.seq_length,
+        "micro_batch_size": args.micro_batch_size,
+        "tokens_per_mp_group": args.seq_length * args.micro_batch_size,
+        "moe_expert_capacity_factor": args.moe_expert_capacity_factor,
+        "moe_pad_expert_input_to_capacity": args.moe_pad_expert_input_to_capacity,
+        "moe_token_drop_policy": args.moe_token_drop_policy,
+        "moe_parm_chunks": args.moe_parm_chunks,
+        "moe_aux_loss_coeff": args.moe_aux_loss_coeff,
+        "moe_token_dispatcher_type": args.moe_token_dispatcher_type,
+        "init_method_std": args.init_method_std,
+        "seed": args.seed,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "router": ROUTER,
+        "activation": ACTIVATION,
+    }
+
+
+def _check_tool_layout(args):
+    """Layouts validate_layout admits but the schedule cannot compute correctly."""
+    from parm_trainer.parallel import LayoutError
+
+    mp, esp = args.tensor_model_parallel_size, args.expert_tensor_parallel_size
+    if args.moe_parm_schedule == "baseline" and esp not in (1, mp):
+        # The baseline all-reduces the expert shards' partial outputs over ESP, which is only
+        # a sum of one token's partials if every ESP rank holds the same tokens: the ESP group
+        # must be the MP group (or a single rank). With MP 1 its ranks hold different DP
+        # replicas' tokens and the sum mixes them.
+        raise LayoutError(f"--moe-parm-schedule baseline needs --expert-tensor-parallel-size 1 "
+                          f"or equal to --tensor-model-parallel-size (got {esp} and {mp}): its "
+                          f"ESP all-reduce needs the same tokens on every ESP rank")
+
+
+def run_config(args, name=None, dump_dir=None):
+    """Every schedule of args on this world; returns {"name", "config", "schedules"}."""
+    from parm_trainer.parallel import LayoutError, validate_layout
+
+    runnable, results = [], {}
+    for schedule in args.schedule_list:
+        trial = copy.copy(args)
+        trial.moe_parm_schedule = schedule
+        try:
+            validate_layout(trial)
+            _check_tool_layout(trial)
+        except LayoutError as error:
+            results[schedule] = {"status": "skipped", "reason": str(error)}
+            continue
+        runnable.append((schedule, trial))
+    device = _device()
+    if runnable:
+        set_layout(runnable[0][1])
+        weights = full_weights(args)
+        replica = Replica(runnable[0][1], weights, device)
+        if dump_dir and torch.distributed.get_rank() == 0:
+            os.makedirs(dump_dir, exist_ok=True)
+            s, b, m = replica.input.shape
+            torch.save(replica.input.reshape(s * b, m).cpu(), os.path.join(dump_dir, "input.pt"))
+            torch.save(replica.output_grad.reshape(s * b, m).cpu(),
+                       os.path.join(dump_dir, "output_grad.pt"))
+            torch.save({**weights, "activation": ACTIVATION, "router": ROUTER},
+                       os.path.join(dump_dir, "weights.pt"))
+        for schedule, trial in runnable:
+            try:
+                results[schedule] = run_schedule(schedule, trial, replica, weights, device,
+                                                 dump_dir)
+            except LayoutError as error:
+                results[schedule] = {"status": "skipped", "reason": str(error)}
+    ordered = {s: results[s] for s in args.schedule_list}
+    base = ordered.get("baseline", {})
+    base_total = _total_ms(base)
+    for result in ordered.values():
+        total = _total_ms(result)
+        result["fwd_bwd_ratio_to_baseline"] = (total / base_total
+                                               if total is not None and base_total else None)
+    return {"name": name, "config": _config_summary(args), "schedules": ordered}
+
+
+def _total_ms(result):
+    if result.get("status") != "ok" or not result.get("forward_ms") or not result.get("backward_ms"):
+        return None
+    return result["forward_ms"]["max"] + result["backward_ms"]["max"]
+
+
+# --- report --------------------------------------------------------------------------------
+
+def _fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(run) -> str:
+    c = run["config"]
+    head = (f"MoE layer: world {c['world_size']} ({c['device']}), MP {c['tensor_model_parallel_size']}"
+            f" EP {c['expert_model_parallel_size']} ESP {c['expert_tensor_parallel_size']}"
+            f" DP {c['data_parallel_size']}{' SP' if c['sequence_parallel'] else ''}; "
+            f"E {c['num_experts']} top-{c['moe_router_topk']} M {c['hidden_size']}"
+            f" H {c['moe_ffn_hidden_size']} S {c['seq_length']} B {c['micro_batch_size']}"
+            f" f {c['moe_expert_capacity_factor'] or 'dropless'} chunks {c['moe_parm_chunks']}")
+    if run.get("name"):
+        head = f"[{run['name']}] " + head
+    cols = ("schedule", "fwd ms r0/max", "bwd ms r0/max", "ratio", "a2a KiB", "ag KiB",
+            "rs KiB", "ar KiB", "d out", "d in-grad", "d gate", "d expert", "d aux")
+    rows = []
+    for name, r in run["schedules"].items():
+        if r["status"] != "ok":
+            rows.append((name, f"skipped: {r['reason']}"))
+            continue
+        f, b = r["forward_ms"], r["backward_ms"]
+        kib = []
+        for kind in KINDS:
+            if r["bytes"] is None:
+                kib.append("null")
+            else:
+                per_rank = [fw + bw for fw, bw in zip(r["bytes"]["forward"][kind],
+                                                      r["bytes"]["backward"][kind])]
+                kib.append(format(max(per_rank) / 1024, ".1f"))
+        d = r["max_abs_diff"]
+        rows.append((name,
+                     f"{_fmt(f and f['rank0'], '.2f')}/{_fmt(f and f['max'], '.2f')}",
+                     f"{_fmt(b and b['rank0'], '.2f')}/{_fmt(b and b['max'], '.2f')}",
+                     _fmt(r["fwd_bwd_ratio_to_baseline"], ".2f"), *kib,
+                     *(_fmt(d[k], ".1e") for k in DIFF_KEYS)))
+    widths = [max(len(cols[i]), *(len(row[i]) for row in rows if len(row) == len(cols)))
+              for i in range(len(cols))]
+    lines = [head, "  ".join(col.ljust(w) for col, w in zip(cols, widths))]
+    for row in rows:
+        if len(row) == 2:
+            lines.append(f"{row[0].ljust(widths[0])}  {row[1]}")
+        else:
+            lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
+    lines.append("bytes: sent per rank (max over ranks), forward + backward, one iteration; "
+                 "ratio: (fwd + bwd, max over ranks) / baseline's; d: max abs diff to "
+                 "reference.py")
+    return "\n".join(lines)
+
+
+def worker(args) -> int:
+    from parm_trainer.compat import cpu
+
+    cpu.apply()
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    if args.configs:
+        with open(args.configs) as fh:
+            entries = json.load(fh)
+        runs = []
+        for i, entry in enumerate(entries):
+            sub = parse(entry["argv"], world_size=args.world_size)
+            name = entry.get("name", str(i))
+            dump = os.path.join(args.dump, name) if args.dump else None
+            runs.append(run_config(sub, name, dump))
+        payload = {"runs": runs}
+    else:
+        runs = [run_config(args, None, args.dump)]
+        payload = runs[0]
+    if not torch.distributed.is_initialized():  # every schedule of every config was skipped
+        torch.distributed.init_process_group(args.distributed_backend)
+    if torch.distributed.get_rank() == 0:
+        for run in runs:
+            print(format_table(run), flush=True)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(payload, fh, indent=1)
+    torch.distributed.barrier()
+    from parm_trainer.parallel import destroy_distributed
+
+    destroy_distributed()
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    under_torchrun = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+    try:
+        args = parse(argv, world_size=None)
+    except ToolError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.nproc and not under_torchrun:
+        if args.nproc < 1:
+            print("error: --nproc must be at least 1", file=sys.stderr)
+            return 2
+        return launch(argv, args.nproc)
+    return worker(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""The schedules as data: each plan lists PARM.md's steps in order, and layouts a schedule
+cannot run are refused before anything starts."""
+
+import pytest
+
+from parm_trainer.arguments import parse_args
+from parm_trainer.moe.schedules import build_plan
+from parm_trainer.parallel import LayoutError, validate_layout
+
+
+def ops(name, sequence_parallel=False):
+    return [str(step) for step in build_plan(name, sequence_parallel).steps]
+
+
+def test_baseline_is_deepspeed_ted():
+    assert ops("baseline") == ["gate", "dispatch", "a2a[ep]", "copy[esp]", "expert",
+                               "allreduce[esp]", "a2a[ep]", "combine"]
+    # under sequence parallelism every MP rank first collects all N tokens
+    assert ops("baseline", True)[0] == "gather_tokens[mp]"
+    assert ops("baseline", True)[-1] == "split_tokens[mp]"
+
+
+def test_s1_pauses_mp_before_the_gate():
+    assert ops("s1") == ["split_tokens[mp]", "gate[mp]", "dispatch", "a2a+allgather[ep,esp]",
+                         "expert", "reducescatter+a2a[esp,ep]", "combine", "gather_tokens[mp]"]
+    # tokens already split: no MP split, and the output stays split
+    assert ops("s1", True) == ops("s1")[1:-1]
+    assert build_plan("s1", False).splits_tokens
+
+
+def test_s2_pauses_mp_after_the_gate():
+    assert ops("s2") == ["gate", "dispatch", "split_capacity[mp]", "a2a+allgather[ep,esp]",
+                         "expert", "reducescatter+a2a[esp,ep]", "gather_capacity[mp]", "combine"]
+    assert build_plan("s2", False).splits_capacity
+
+
+def test_unknown_schedule():
+    with pytest.raises(ValueError, match="--moe-parm-schedule"):
+        build_plan("s3", False)
+
+
+def _layout(world, *argv):
+    args = parse_args(["--num-experts", "4", "--disable-bias-linear", *argv], world_size=world)
+    validate_layout(args)
+    return args
+
+
+def test_baseline_refuses_esp_other_than_mp():
+    with pytest.raises(LayoutError, match="baseline.*--expert-tensor-parallel-size"):
+        _layout(4, "--moe-parm-schedule", "baseline", "--tensor-model-parallel-size", "2",
+                "--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2")
+    _layout(4, "--moe-parm-schedule", "s1", "--tensor-model-parallel-size", "2",
+            "--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2")
+
+
+def test_s2_refuses_a_capacity_that_mp_does_not_divide():
+    # 2 x 64 tokens, top-2, f = 1.0, 4 experts -> capacity 64, divisible by MP 2
+    common = ["--moe-parm-schedule", "s2", "--tensor-model-parallel-size", "2",
+              "--seq-length", "64", "--micro-batch-size", "2", "--moe-router-topk", "2"]
+    _layout(2, *common, "--moe-expert-capacity-factor", "1.0")
+    # f = 1.01 -> capacity ceil(64.64) = 65, which MP 2 cannot split
+    with pytest.raises(LayoutError, match="capacity 65 .* not divisible by --tensor-model"):
+        _layout(2, *common, "--moe-expert-capacity-factor", "1.01")
+
+
+def test_s1_without_sequence_parallel_needs_a_divisible_sequence():
+    with pytest.raises(LayoutError, match="s1 splits tokens over MP"):
+        _layout(2, "--moe-parm-schedule", "s1", "--tensor-model-parallel-size", "2",
+                "--seq-length", "63", "--num-attention-heads", "4")
+
+
+def test_megatron_schedule_keeps_megatrons_rule():
+    with pytest.raises(LayoutError, match="needs --sequence-parallel"):
+        _layout(2, "--moe-parm-schedule", "megatron", "--tensor-model-parallel-size", "2")
+    _layout(2, "--moe-parm-schedule", "s2", "--tensor-model-parallel-size", "2")

@@ -75,9 +75,14 @@ def test_nan_loss_stops_before_the_update(gpt_data, tmp_path):
 
 
 def test_corrupt_checkpoint(gpt_data, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    run = launch(1, tiny_gpt_args(gpt_data, **{"train-iters": 2, "save": ckpt}), tmp_path)
+    """The first (good) run also checks the tensorboard and offline wandb logs get written."""
+    ckpt, board, wandb_dir = tmp_path / "ckpt", tmp_path / "tb", tmp_path / "wandb"
+    run = launch(1, tiny_gpt_args(gpt_data, **{
+        "train-iters": 2, "save": ckpt, "tensorboard-dir": board, "wandb-project": "parm-test",
+        "wandb-save-dir": wandb_dir}), tmp_path)
     assert run.returncode == 0, run.output[-3000:]
+    assert list(board.glob("events.out.tfevents.*")), "no tensorboard events"
+    assert list(wandb_dir.rglob("*.wandb")), "no offline wandb run"
     for shard in (ckpt / "iter_0000002").glob("*.distcp"):
         shard.write_bytes(b"not a checkpoint")
     run = launch(1, tiny_gpt_args(gpt_data, **{"train-iters": 4, "load": ckpt}), tmp_path,

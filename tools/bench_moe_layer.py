@@ -211,10 +211,12 @@ def set_layout(args) -> None:
 
     key = _layout_key(args)
     if _CURRENT_LAYOUT[0] != key:
+        _t = time.perf_counter()
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         initialize_distributed(args)
         _CURRENT_LAYOUT[0] = key
+        print("TIMING init", time.perf_counter() - _t, flush=True)
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
 
@@ -666,7 +668,9 @@ def worker(args) -> int:
             sub = parse(entry["argv"], world_size=args.world_size)
             name = entry.get("name", str(i))
             dump = os.path.join(args.dump, name) if args.dump else None
+            _t = time.perf_counter()
             runs.append(run_config(sub, name, dump))
+            print("TIMING", name, time.perf_counter() - _t, flush=True)
         payload = {"runs": runs}
     else:
         runs = [run_config(args, None, args.dump)]

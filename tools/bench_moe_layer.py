@@ -660,6 +660,7 @@ def worker(args) -> int:
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
+    print("TIMING worker", time.time(), flush=True)
     if args.configs:
         with open(args.configs) as fh:
             entries = json.load(fh)
@@ -686,11 +687,13 @@ def worker(args) -> int:
     torch.distributed.barrier()
     from parm_trainer.parallel import destroy_distributed
 
-    destroy_distributed()
+    _t = time.perf_counter()
+    print("TIMING destroy", time.perf_counter() - _t, time.time(), flush=True)
     return 0
 
 
 def main(argv=None) -> int:
+    print("TIMING start", time.time(), flush=True)
     argv = list(sys.argv[1:] if argv is None else argv)
     under_torchrun = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:

@@ -19,14 +19,20 @@ def is_last_rank() -> bool:
     return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
 
 
+def _write_line(message: str) -> None:
+    # one write per line, so lines from several ranks sharing a pipe do not interleave
+    sys.stdout.write(message + "\n")
+    sys.stdout.flush()
+
+
 def print_rank_0(message: str) -> None:
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(message, flush=True)
+        _write_line(message)
 
 
 def print_rank_last(message: str) -> None:
     if not torch.distributed.is_initialized() or is_last_rank():
-        print(message, flush=True)
+        _write_line(message)
 
 
 def _wandb_mode() -> str:

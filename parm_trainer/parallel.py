@@ -81,7 +81,8 @@ def _validate_moe(args, tp, ep, etp) -> None:
         _require(args.sequence_parallel, "MoE with --tensor-model-parallel-size > 1 and "
                  "--moe-parm-schedule megatron needs --sequence-parallel")
     if schedule == "baseline":
-        _require(etp == tp or tp == 1,
+        # ESP ranks must hold the same tokens for the all-reduce of the expert shards' outputs
+        _require(etp == tp,
                  f"--moe-parm-schedule baseline (DeepSpeed TED) needs --expert-tensor-parallel-size"
                  f" equal to --tensor-model-parallel-size (got {etp} and {tp})")
     if schedule == "s1" and not args.sequence_parallel:

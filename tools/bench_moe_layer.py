@@ -67,8 +67,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-# megatron-core warns about optional GPU extensions at import, torch about collective names.
-warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|is deprecated).*")
+# megatron-core warns about optional GPU extensions at import and about MP without sequence
+# parallelism (which concerns its own dispatcher, reported here as a skip), torch about the
+# names of collectives.
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|is deprecated|sequence "
+                                          "parallelism must be used|Disabling sequence parallel)")
 from parm_trainer.arguments import parse_args  # noqa: E402
 from parm_trainer.moe.reference import ACTIVATION, ROUTER  # noqa: E402
 
@@ -76,11 +79,14 @@ SCHEDULE_NAMES = ("baseline", "s1", "s2", "megatron")
 KINDS = ("alltoall", "allgather", "reducescatter", "allreduce")
 DIFF_KEYS = ("output", "input_grad", "gate_grad", "expert_grad", "aux_loss")
 TOOL_HELP = f"""\
-bench_moe_layer: one MoE layer, forward and backward, under several schedules.
-Router: logits = x @ gate.T; {ROUTER} (megatron-core's default "softmax" score function,
-pre-softmax off); dropless unless --moe-expert-capacity-factor. Activation: {ACTIVATION}
-(torch.nn.functional.gelu, megatron-core's default); experts have no biases. Aux loss:
-megatron-core's switch load-balancing loss. fp32 only."""
+bench_moe_layer: one MoE layer, forward and backward, under several schedules, each checked
+against parm_trainer/moe/reference.py, timed, and its collectives' bytes counted.
+Router:     logits = x @ gate.T; routing probabilities = {ROUTER} of each
+            token (megatron-core's default: score function "softmax", pre-softmax off);
+            dropless unless --moe-expert-capacity-factor.
+Activation: {ACTIVATION} (torch.nn.functional.gelu, megatron-core's default); no biases.
+Aux loss:   coeff * E / (k * T^2) * sum_e count_e * sum_t softmax(logits)[t, e] (megatron-core's
+            switch load-balancing loss). fp32 only."""
 
 
 class ToolError(ValueError):
@@ -179,7 +185,8 @@ def _generator(*key) -> torch.Generator:
 
 def full_weights(args):
     """gate [E, M], fc1 [E, H, M], fc2 [E, M, H], the same on every rank."""
-    e, m, h, std = args.num_experts, args.hidden_size, args.moe_ffn_hidden_size, args.init_method_std
+    e, m, h = args.num_experts, args.hidden_size, args.moe_ffn_hidden_size
+    std = args.init_method_std
     gen = _generator(args.seed, 1)
     gate = torch.empty(e, m).normal_(0.0, std, generator=gen)
     fc1 = torch.empty(e, h, m).normal_(0.0, std, generator=gen)
@@ -211,12 +218,10 @@ def set_layout(args) -> None:
 
     key = _layout_key(args)
     if _CURRENT_LAYOUT[0] != key:
-        _t = time.perf_counter()
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         initialize_distributed(args)
         _CURRENT_LAYOUT[0] = key
-        print("TIMING init", time.perf_counter() - _t, flush=True)
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
 
@@ -300,8 +305,9 @@ class Replica:
                 objective = objective + ref.aux_loss
             objective.backward()
             grads = {k: v.grad.detach().clone() for k, v in w.items()}
+            dp_group = parallel_state.get_data_parallel_group()
             for k in ("gate", "fc1", "fc2"):
-                torch.distributed.all_reduce(grads[k], group=parallel_state.get_data_parallel_group())
+                torch.distributed.all_reduce(grads[k], group=dp_group)
             self._refs[gate_calls] = {
                 "output": ref.output.detach().view(s, b, m),
                 "input_grad": x.grad.detach().view(s, b, m),
@@ -502,8 +508,6 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
 
 
 def _config_summary(args):
-    from megatron.core import parallel_state  # noqa: F401
-
     return {
         "world_size": args.world_size,
         "device": str(_device()),
@@ -536,21 +540,6 @@ def _config_summary(args):
     }
 
 
-def _check_tool_layout(args):
-    """Layouts validate_layout admits but the schedule cannot compute correctly."""
-    from parm_trainer.parallel import LayoutError
-
-    mp, esp = args.tensor_model_parallel_size, args.expert_tensor_parallel_size
-    if args.moe_parm_schedule == "baseline" and esp not in (1, mp):
-        # The baseline all-reduces the expert shards' partial outputs over ESP, which is only
-        # a sum of one token's partials if every ESP rank holds the same tokens: the ESP group
-        # must be the MP group (or a single rank). With MP 1 its ranks hold different DP
-        # replicas' tokens and the sum mixes them.
-        raise LayoutError(f"--moe-parm-schedule baseline needs --expert-tensor-parallel-size 1 "
-                          f"or equal to --tensor-model-parallel-size (got {esp} and {mp}): its "
-                          f"ESP all-reduce needs the same tokens on every ESP rank")
-
-
 def run_config(args, name=None, dump_dir=None):
     """Every schedule of args on this world; returns {"name", "config", "schedules"}."""
     from parm_trainer.parallel import LayoutError, validate_layout
@@ -561,7 +550,6 @@ def run_config(args, name=None, dump_dir=None):
         trial.moe_parm_schedule = schedule
         try:
             validate_layout(trial)
-            _check_tool_layout(trial)
         except LayoutError as error:
             results[schedule] = {"status": "skipped", "reason": str(error)}
             continue
@@ -580,11 +568,7 @@ def run_config(args, name=None, dump_dir=None):
             torch.save({**weights, "activation": ACTIVATION, "router": ROUTER},
                        os.path.join(dump_dir, "weights.pt"))
         for schedule, trial in runnable:
-            try:
-                results[schedule] = run_schedule(schedule, trial, replica, weights, device,
-                                                 dump_dir)
-            except LayoutError as error:
-                results[schedule] = {"status": "skipped", "reason": str(error)}
+            results[schedule] = run_schedule(schedule, trial, replica, weights, device, dump_dir)
     ordered = {s: results[s] for s in args.schedule_list}
     base = ordered.get("baseline", {})
     base_total = _total_ms(base)
@@ -596,7 +580,7 @@ def run_config(args, name=None, dump_dir=None):
 
 
 def _total_ms(result):
-    if result.get("status") != "ok" or not result.get("forward_ms") or not result.get("backward_ms"):
+    if result.get("status") != "ok" or not result["forward_ms"] or not result["backward_ms"]:
         return None
     return result["forward_ms"]["max"] + result["backward_ms"]["max"]
 
@@ -609,8 +593,8 @@ def _fmt(value, spec):
 
 def format_table(run) -> str:
     c = run["config"]
-    head = (f"MoE layer: world {c['world_size']} ({c['device']}), MP {c['tensor_model_parallel_size']}"
-            f" EP {c['expert_model_parallel_size']} ESP {c['expert_tensor_parallel_size']}"
+    head = (f"MoE layer: world {c['world_size']} ({c['device']}),"
+            f" MP {c['tensor_model_parallel_size']} EP {c['expert_model_parallel_size']} ESP {c['expert_tensor_parallel_size']}"
             f" DP {c['data_parallel_size']}{' SP' if c['sequence_parallel'] else ''}; "
             f"E {c['num_experts']} top-{c['moe_router_topk']} M {c['hidden_size']}"
             f" H {c['moe_ffn_hidden_size']} S {c['seq_length']} B {c['micro_batch_size']}"
@@ -660,7 +644,6 @@ def worker(args) -> int:
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    print("TIMING worker", time.time(), flush=True)
     if args.configs:
         with open(args.configs) as fh:
             entries = json.load(fh)
@@ -669,31 +652,26 @@ def worker(args) -> int:
             sub = parse(entry["argv"], world_size=args.world_size)
             name = entry.get("name", str(i))
             dump = os.path.join(args.dump, name) if args.dump else None
-            _t = time.perf_counter()
             runs.append(run_config(sub, name, dump))
-            print("TIMING", name, time.perf_counter() - _t, flush=True)
         payload = {"runs": runs}
     else:
         runs = [run_config(args, None, args.dump)]
         payload = runs[0]
     if not torch.distributed.is_initialized():  # every schedule of every config was skipped
-        torch.distributed.init_process_group(args.distributed_backend)
+        from parm_trainer.parallel import initialize_distributed
+
+        initialize_distributed(args)
     if torch.distributed.get_rank() == 0:
         for run in runs:
             print(format_table(run), flush=True)
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(payload, fh, indent=1)
-    torch.distributed.barrier()
-    from parm_trainer.parallel import destroy_distributed
-
-    _t = time.perf_counter()
-    print("TIMING destroy", time.perf_counter() - _t, time.time(), flush=True)
+    torch.distributed.barrier()  # rank 0 has written its files
     return 0
 
 
 def main(argv=None) -> int:
-    print("TIMING start", time.time(), flush=True)
     argv = list(sys.argv[1:] if argv is None else argv)
     under_torchrun = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
@@ -706,8 +684,18 @@ def main(argv=None) -> int:
             print("error: --nproc must be at least 1", file=sys.stderr)
             return 2
         return launch(argv, args.nproc)
+    _WORKER[0] = True
     return worker(args)
 
 
+_WORKER = [False]
+
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if _WORKER[0]:
+        # Every rank is past the final barrier and rank 0's files are written: leave without
+        # the interpreter's teardown of megatron's many process groups (seconds on a CPU).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)

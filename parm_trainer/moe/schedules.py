@@ -4,7 +4,7 @@ already split over MP (1/G each) and leave split the same way.
 baseline  DeepSpeed-MoE with expert tensor parallelism: every MP rank holds all N tokens
           (gathered first under sequence parallelism), gates them, sends them over EP, and the
           expert shards' partial outputs are all-reduced over ESP (and, backward, the gradient of
-          the replicated expert input, as the column-parallel fc1 leaves it partial). Needs ESP = MP (or MP = 1),
+          the replicated expert input, as the column-parallel fc1 leaves it partial). Needs ESP = MP,
           as DeepSpeed's TED does: otherwise the same tokens reach the same shard twice.
 s1        MP paused before the gate: each MP rank gates its 1/G of the tokens, AlltoAll (EP) of
           D/G, ESP-AllGather, expert, ESP-ReduceScatter, AlltoAll back, combine, MP-AllGather of

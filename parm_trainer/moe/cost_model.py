@@ -1,0 +1,359 @@
+"""Alpha-beta cost model of a MoE layer: prices a Plan (schedules.py) step by step, from the
+same plan objects the executor (layer.py) runs, with the byte formulas of comm.py.
+
+    from parm_trainer.moe.cost_model import LayerShape, DEFAULT_PROFILE, choose_schedule
+    choose_schedule(LayerShape(tokens=8192, hidden=2048, ffn=8192, experts=16, topk=2,
+                               capacity_factor=1.0, mp=8, ep=4, esp=8), DEFAULT_PROFILE)
+
+Walking a plan. The model tracks what this rank holds between steps, as the executor does:
+tokens (n, M), n = N, or N/G under sequence parallelism or after split_tokens; or a dispatched
+(E, c, M) tensor, c = C after dispatch, C/G after split_capacity, ESP*c after an ESP gather.
+C is the capacity of ONE gate call on n tokens: ceil(n*k*f/E) (megatron's get_capacity); when
+f is None (dropless) routing is assumed balanced, C = ceil(n*k/E), rounded up to a multiple of
+G where the plan splits the capacity (as layer.py rounds the agreed maximum load).
+
+Collectives, for the bytes THIS rank sends in a group of W ranks (comm.py's ledger), B the
+bytes of the tensor the collective takes:
+    alltoall B*(W-1)/W; allgather B*(W-1) (B = the local piece); reducescatter B*(W-1)/W;
+    allreduce 2*B*(W-1)/W;   cost = alpha + sent * beta,
+alpha and beta per kind and per link class: "intra" when every group of that kind sits inside
+one node, "inter" otherwise (all its bytes are then priced at the inter-node rate). A group of
+one is the identity and costs nothing. Backward of each step is its dual (comm.py):
+    a2a -> a2a, allgather -> reducescatter, reducescatter -> allgather, allreduce -> nothing,
+    split_* -> AllGather of the piece, gather_* -> nothing, copy -> AllReduce,
+    gate[mp] (split tokens) -> AllReduce of the router weight's gradient (E*M) over MP.
+
+Overlapped pair in r chunks (a2a+allgather, reducescatter+a2a; r = min(chunks, capacity slots
+of the smaller side)), a two-stage pipeline: each chunk costs a = alpha_A + A/r and
+b = alpha_B + B/r (A, B = bytes*beta of the whole streams), and
+    T(r) = r*max(a, b) + min(a, b),
+which is alpha_A + A + alpha_B + B at r = 1 and, with zero alphas, max(A, B) + min(A, B)/r:
+it tends to the longer stream as r grows, while every chunk pays its alphas.
+
+Compute: flops priced alpha + flops*beta; the backward costs twice the forward.
+    expert: 2 * rows * M * (H/ESP) * 2 (fc1 and fc2), rows = E*c slots (padding included:
+            the executor runs the expert on every slot);   gate: 2 * n * M * E.
+Not priced: the dispatch/combine memory traffic, and the one-scalar all-reduce that agrees the
+dropless capacity.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import numpy as np
+
+from parm_trainer.moe.plan import Plan, Step
+from parm_trainer.moe.schedules import build_plan
+
+KINDS = ("alltoall", "allgather", "reducescatter", "allreduce")
+LINKS = ("intra", "inter")
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One MoE layer on one MP group. tokens N = micro-batch x seq entering the MP group."""
+    tokens: int
+    hidden: int
+    ffn: int
+    experts: int
+    topk: int
+    capacity_factor: Optional[float]  # None: dropless, balanced routing assumed
+    bytes_per_element: int = 2
+    mp: int = 1   # G; MP ranks are consecutive
+    ep: int = 1   # EP ranks have stride ESP (megatron's expert order tp-ep-dp-pp)
+    esp: int = 1  # ESP ranks are consecutive
+    sequence_parallel: bool = False
+    chunks: int = 1
+    # What-if: round a capacity-factor capacity up to the multiple a plan that splits it needs,
+    # as the executor does only when dropless (today it refuses such layouts instead).
+    pad_capacity: bool = False
+
+    def capacity(self, n: int, multiple: int = 1) -> int:
+        """Slots per expert for one gate call on n tokens (rounded up to `multiple` when
+        dropless, or with pad_capacity)."""
+        if self.capacity_factor is not None:
+            slots = math.ceil(n * self.topk / self.experts * self.capacity_factor)
+            if not self.pad_capacity:
+                return slots
+        else:
+            slots = math.ceil(n * self.topk / self.experts)
+        return math.ceil(slots / multiple) * multiple
+
+    def group(self, name: str) -> tuple:
+        """(size, rank stride) of group "mp", "ep" or "esp"."""
+        return {"mp": (self.mp, 1), "esp": (self.esp, 1), "ep": (self.ep, self.esp)}[name]
+
+
+def crosses_nodes(size: int, stride: int, gpus_per_node: int) -> bool:
+    """Whether some group of `size` ranks at `stride` (groups tiling blocks of size*stride
+    consecutive ranks) has members on two nodes."""
+    block = size * stride
+    for start in range(0, math.lcm(block, gpus_per_node), block):
+        for first in range(start, start + stride):
+            if first // gpus_per_node != (first + (size - 1) * stride) // gpus_per_node:
+                return True
+    return False
+
+
+@dataclass
+class Profile:
+    """alpha (s) and beta (s/byte) per collective kind and link class; GEMM alpha (s) and
+    beta (s/FLOP); GPUs per node (placing groups intra- or inter-node)."""
+    gpus_per_node: int
+    collectives: dict  # {kind: {"intra": (alpha, beta), "inter": (alpha, beta)}}
+    compute: tuple     # (alpha, beta)
+    name: str = "custom"
+    description: str = ""
+
+    def link(self, shape: LayerShape, group: str) -> str:
+        size, stride = shape.group(group)
+        return "inter" if crosses_nodes(size, stride, self.gpus_per_node) else "intra"
+
+    def collective_s(self, kind: str, link: str, sent: float) -> float:
+        alpha, beta = self.collectives[kind][link]
+        return alpha + sent * beta
+
+    def to_json(self, path: Optional[str] = None) -> str:
+        """Exact alpha/beta in seconds; written to `path` too when given."""
+        data = {"name": self.name, "description": self.description,
+                "gpus_per_node": self.gpus_per_node,
+                "collectives": {k: {link: {"alpha": a, "beta": b} for link, (a, b) in v.items()}
+                                for k, v in self.collectives.items()},
+                "compute": {"alpha": self.compute[0], "beta": self.compute[1]}}
+        text = json.dumps(data, indent=2)
+        if path:
+            with open(path, "w") as f:
+                f.write(text + "\n")
+        return text
+
+    @classmethod
+    def from_json(cls, source: str) -> "Profile":
+        """From JSON text or a file path. Each (alpha, beta) entry is either {"alpha": s,
+        "beta": s/byte} or, for hand-written cluster files, {"alpha_us": us, "GBps": GB/s}
+        (compute: {"alpha_us", "TFLOPs"}). Keys other than these are ignored (notes)."""
+        if not source.lstrip().startswith("{") and os.path.exists(source):
+            with open(source) as f:
+                source = f.read()
+        data = json.loads(source)
+        missing = [(k, link) for k in KINDS for link in LINKS
+                   if link not in data["collectives"].get(k, {})]
+        if missing:
+            raise ValueError(f"cost profile lacks alpha/beta for {missing}")
+        return cls(gpus_per_node=int(data["gpus_per_node"]),
+                   collectives={k: {link: _pair(data["collectives"][k][link], "GBps", 1e9)
+                                    for link in LINKS} for k in KINDS},
+                   compute=_pair(data["compute"], "TFLOPs", 1e12),
+                   name=data.get("name", "custom"), description=data.get("description", ""))
+
+
+def _pair(entry: dict, rate_key: str, unit: float) -> tuple:
+    if "beta" in entry:
+        return float(entry["alpha"]), float(entry["beta"])
+    return float(entry["alpha_us"]) * 1e-6, 1.0 / (float(entry[rate_key]) * unit)
+
+
+def _rates(ring: dict, alltoall: dict) -> dict:
+    """{link: (alpha_us, GB/s)} for the ring collectives and for AlltoAll -> collectives."""
+    def pair(alpha_us, gbps):
+        return (alpha_us * 1e-6, 1.0 / (gbps * 1e9))
+    return {k: {link: pair(*(alltoall if k == "alltoall" else ring)[link]) for link in LINKS}
+            for k in KINDS}
+
+
+# A default, not a measurement (the numbers of tools/clusters/a100-nvlink-8x.json): an A100
+# node, NVLink ~150 GB/s per GPU and ~10 us for ring collectives, AlltoAll ~130 GB/s and 15 us;
+# one 200 Gb/s InfiniBand NIC per GPU, 25 GB/s raw, ~22 GB/s taken by ring collectives (30 us),
+# ~19 GB/s by AlltoAll (40 us); bf16 GEMMs at ~150 TFLOP/s effective, 10 us launch. Calibrate a
+# profile on the real cluster and pass it with --moe-parm-cost-profile.
+DEFAULT_PROFILE = Profile(
+    gpus_per_node=8,
+    collectives=_rates(ring={"intra": (10, 150.0), "inter": (30, 22.0)},
+                       alltoall={"intra": (15, 130.0), "inter": (40, 19.0)}),
+    compute=(10e-6, 1.0 / 150e12), name="default-a100",
+    description="assumed: A100 NVLink node, one 200 Gb/s IB NIC per GPU")
+
+
+@dataclass(frozen=True)
+class Held:
+    """What this rank holds when a step starts: n tokens, or (E, capacity, M) when capacity."""
+    tokens: int
+    capacity: int = 0
+    multiple: int = 1  # dropless capacity is rounded up to this (G where the plan splits it)
+
+
+@dataclass(frozen=True)
+class StepLoad:
+    """One step's work on this rank: collectives ((kind, group, bytes sent), ...) per phase,
+    whether a phase's two collectives run as a pipelined pair of `chunks`, and GEMM flops."""
+    forward: tuple = ()
+    backward: tuple = ()
+    pipelined: bool = False
+    chunks: int = 1
+    flops: float = 0.0  # forward; the backward is priced at twice the forward
+
+
+def sent_bytes(kind: str, nbytes: int, world: int) -> int:
+    """Bytes this rank sends, as comm.py's ledger records them."""
+    if world == 1:
+        return 0
+    if kind == "allgather":
+        return nbytes * (world - 1)
+    return (2 if kind == "allreduce" else 1) * nbytes * (world - 1) // world
+
+
+def step_load(step: Step, shape: LayerShape, held: Held) -> tuple:
+    """(StepLoad, Held after the step). Raises ValueError where the executor would."""
+    s, op, b = shape, step.op, shape.bytes_per_element
+    n, c = held.tokens, held.capacity
+    slab = s.experts * c * s.hidden * b  # bytes of the dispatched (E, c, M) held
+
+    def coll(kind, group, nbytes):
+        world = s.group(group)[0]
+        return ((kind, group, sent_bytes(kind, nbytes, world)),) if world > 1 else ()
+
+    def need(ok, what):
+        if not ok:
+            raise ValueError(f"{step}: {what}")
+
+    if op in ("split_tokens", "gather_tokens"):
+        part = n // s.mp if op == "split_tokens" else n
+        need(op == "gather_tokens" or n % s.mp == 0, f"{n} tokens do not split over MP {s.mp}")
+        ag = coll("allgather", "mp", part * s.hidden * b)
+        load = StepLoad(backward=ag) if op == "split_tokens" else StepLoad(forward=ag)
+        return load, replace(held, tokens=part if op == "split_tokens" else n * s.mp)
+    if op in ("split_capacity", "gather_capacity"):
+        need(op == "gather_capacity" or c % s.mp == 0, f"capacity {c} does not split over "
+             f"MP {s.mp}")
+        part = c // s.mp if op == "split_capacity" else c
+        ag = coll("allgather", "mp", s.experts * part * s.hidden * b)
+        load = StepLoad(backward=ag) if op == "split_capacity" else StepLoad(forward=ag)
+        return load, replace(held, capacity=part if op == "split_capacity" else c * s.mp)
+    if op == "gate":
+        wgrad = coll("allreduce", "mp", s.experts * s.hidden * b) if step.group == "mp" else ()
+        return StepLoad(backward=wgrad, flops=2 * n * s.hidden * s.experts), held
+    if op == "dispatch":
+        return StepLoad(), replace(held, capacity=s.capacity(n, held.multiple))
+    if op == "combine":
+        return StepLoad(), replace(held, capacity=0)
+    if op == "expert":
+        need(s.ffn % s.esp == 0, f"ffn {s.ffn} does not split over ESP {s.esp}")
+        return StepLoad(flops=2 * s.experts * c * s.hidden * (s.ffn // s.esp) * 2), held
+    if op == "a2a":
+        need(s.experts % s.ep == 0, f"{s.experts} experts do not split over EP {s.ep}")
+        a2a = coll("alltoall", "ep", slab)
+        return StepLoad(forward=a2a, backward=a2a), held
+    if op in ("copy", "allreduce"):
+        ar = coll("allreduce", "esp", slab)
+        return (StepLoad(backward=ar) if op == "copy" else StepLoad(forward=ar)), held
+    if op in ("allgather", "reducescatter"):
+        up = op == "allgather"
+        need(up or c % s.esp == 0, f"capacity {c} does not split over ESP {s.esp}")
+        piece = slab if up else slab // s.esp
+        ag, rs = coll("allgather", "esp", piece), coll("reducescatter", "esp", piece * s.esp)
+        return (StepLoad(forward=ag, backward=rs) if up else StepLoad(forward=rs, backward=ag),
+                replace(held, capacity=c * s.esp if up else c // s.esp))
+    if op in ("a2a+allgather", "reducescatter+a2a"):
+        need(s.experts % s.ep == 0, f"{s.experts} experts do not split over EP {s.ep}")
+        up = op == "a2a+allgather"
+        need(up or c % s.esp == 0, f"capacity {c} does not split over ESP {s.esp}")
+        piece = slab if up else slab // s.esp  # the (E, c_small, M) both streams are cut from
+        a2a = coll("alltoall", "ep", piece)
+        ag, rs = coll("allgather", "esp", piece), coll("reducescatter", "esp", piece * s.esp)
+        small = c if up else c // s.esp
+        load = StepLoad(forward=a2a + ag if up else rs + a2a,
+                        backward=rs + a2a if up else a2a + ag,
+                        pipelined=True, chunks=max(1, min(s.chunks, small)))
+        return load, replace(held, capacity=c * s.esp if up else small)
+    raise ValueError(f"unknown plan step {step}")
+
+
+def pipelined_s(a_stream: tuple, b_stream: tuple, chunks: int) -> float:
+    """Two streams (alpha, transfer seconds) cut in r chunks: r*max(a, b) + min(a, b), with
+    a = alpha_A + A/r, b = alpha_B + B/r. r = 1 gives alpha_A + A + alpha_B + B."""
+    r = chunks
+    a, b = a_stream[0] + a_stream[1] / r, b_stream[0] + b_stream[1] / r
+    return r * max(a, b) + min(a, b)
+
+
+def _phase_s(colls: tuple, load: StepLoad, shape: LayerShape, profile: Profile) -> float:
+    streams = []
+    for kind, group, sent in colls:
+        alpha, beta = profile.collectives[kind][profile.link(shape, group)]
+        streams.append((alpha, sent * beta))
+    if load.pipelined and streams:
+        return pipelined_s(streams[0], streams[1] if len(streams) > 1 else (0.0, 0.0),
+                           load.chunks)
+    return sum(alpha + t for alpha, t in streams)
+
+
+def step_cost(step: Step, shape: LayerShape, profile: Profile, held: Held) -> tuple:
+    """(forward_s, backward_s) of one step, entered holding `held` (see walk)."""
+    load, _ = step_load(step, shape, held)
+    compute = profile.compute[0] + load.flops * profile.compute[1] if load.flops else 0.0
+    return (_phase_s(load.forward, load, shape, profile) + compute,
+            _phase_s(load.backward, load, shape, profile) + 2 * compute)
+
+
+def walk(plan: Plan, shape: LayerShape) -> list:
+    """[(step, Held on entering it)] for the plan; shape.sequence_parallel must be the one the
+    plan was built with. Raises ValueError for a layout the executor refuses."""
+    if any(st.group == "esp" and st.op in ("copy", "allreduce") for st in plan.steps):
+        if shape.esp != shape.mp:  # parallel.validate_layout: ESP ranks need the same tokens
+            raise ValueError(f"{plan.name} reduces expert outputs over ESP: needs ESP {shape.esp}"
+                             f" = MP {shape.mp}")
+    n = shape.tokens // shape.mp if shape.sequence_parallel else shape.tokens
+    held, out = Held(n, 0, shape.mp if plan.splits_capacity else 1), []
+    for step in plan.steps:
+        out.append((step, held))
+        held = step_load(step, shape, held)[1]
+    return out
+
+
+def plan_cost(plan: Plan, shape: LayerShape, profile: Profile) -> dict:
+    """Per-step breakdown and totals (seconds), plus bytes sent keyed like
+    comm.LEDGER.totals(phase=...): "kind/group"."""
+    steps, total_f, total_b = [], 0.0, 0.0
+    sent = {"forward": {}, "backward": {}}
+    for step, held in walk(plan, shape):
+        load, _ = step_load(step, shape, held)
+        fwd, bwd = step_cost(step, shape, profile, held)
+        total_f, total_b = total_f + fwd, total_b + bwd
+        row = {"step": str(step), "forward_s": fwd, "backward_s": bwd, "flops": load.flops}
+        for phase, colls in (("forward", load.forward), ("backward", load.backward)):
+            row[f"{phase}_bytes"] = {f"{k}/{g}": nbytes for k, g, nbytes in colls}
+            for key, nbytes in row[f"{phase}_bytes"].items():
+                sent[phase][key] = sent[phase].get(key, 0) + nbytes
+        steps.append(row)
+    return {"plan": plan.name, "steps": steps, "forward_s": total_f, "backward_s": total_b,
+            "total_s": total_f + total_b, "bytes": sent}
+
+
+def choose_schedule(shape: LayerShape, profile: Profile, candidates=("s1", "s2")) -> tuple:
+    """(cheapest candidate by forward + backward, {candidate: predicted seconds}); a candidate
+    the layout cannot run is priced inf. Raises ValueError when none can run."""
+    totals = {}
+    for name in candidates:
+        try:
+            totals[name] = plan_cost(build_plan(name, shape.sequence_parallel), shape,
+                                     profile)["total_s"]
+        except ValueError:
+            totals[name] = math.inf
+    best = min(totals, key=totals.get)
+    if math.isinf(totals[best]):
+        raise ValueError(f"no schedule among {candidates} can run {shape}")
+    return best, totals
+
+
+def fit_alpha_beta(sizes_bytes, seconds) -> tuple:
+    """Least squares seconds = alpha + beta * bytes: (alpha, beta, r^2)."""
+    x, y = np.asarray(sizes_bytes, dtype=float), np.asarray(seconds, dtype=float)
+    design = np.stack([np.ones_like(x), x], axis=1)
+    (alpha, beta), *_ = np.linalg.lstsq(design, y, rcond=None)
+    residual = float(np.sum((y - design @ np.array([alpha, beta])) ** 2))
+    spread = float(np.sum((y - y.mean()) ** 2))
+    return float(alpha), float(beta), 1.0 - residual / spread if spread else 1.0

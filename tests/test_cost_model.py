@@ -1,0 +1,253 @@
+"""The cost model prices the plans the executor runs: its bytes are comm.py's ledger formulas on
+hand-computed shapes, backward mirrors forward, the pipelined pair follows its formula, the
+schedule choice follows the arithmetic, alpha/beta fits recover known values, profiles
+round-trip through JSON, and the paper-scale simulator runs. Single process, no torch.
+"""
+
+import importlib.util
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from parm_trainer.moe.cost_model import (DEFAULT_PROFILE, KINDS, LayerShape, Profile,
+                                         choose_schedule, crosses_nodes, fit_alpha_beta,
+                                         pipelined_s, plan_cost, walk)
+from parm_trainer.moe.schedules import build_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# MP = ESP = EP = 2, N = 128 tokens, top-2, f = 1, E = 4, M = 64, fp32.
+SHAPE = LayerShape(tokens=128, hidden=64, ffn=128, experts=4, topk=2, capacity_factor=1.0,
+                   bytes_per_element=4, mp=2, ep=2, esp=2)
+
+
+def profile(intra_beta=1e-9, inter_beta=1e-9, alpha=0.0, gpus_per_node=2, compute=(0.0, 0.0)):
+    """Every kind alike; alpha 0 and no compute make a plan's seconds its bytes times beta."""
+    return Profile(gpus_per_node=gpus_per_node, compute=compute,
+                   collectives={k: {"intra": (alpha, intra_beta), "inter": (alpha, inter_beta)}
+                                for k in KINDS})
+
+
+def step_bytes(name, shape=SHAPE, sequence_parallel=False):
+    cost = plan_cost(build_plan(name, sequence_parallel), shape, DEFAULT_PROFILE)
+    return [(row["step"], row["forward_bytes"], row["backward_bytes"]) for row in cost["steps"]]
+
+
+def test_baseline_bytes():
+    # C = ceil(128 * 2 / 4 * 1.0) = 64; dispatched (E, C, M) = 4 * 64 * 64 * 4 B = 65536 B
+    # AlltoAll over EP=2 sends 65536 * (2-1)/2 = 32768; AllReduce over ESP=2 sends
+    # 2 * 65536 * (2-1)/2 = 65536 (forward after the expert, backward at the copy).
+    assert step_bytes("baseline") == [
+        ("gate", {}, {}), ("dispatch", {}, {}),
+        ("a2a[ep]", {"alltoall/ep": 32768}, {"alltoall/ep": 32768}),
+        ("copy[esp]", {}, {"allreduce/esp": 65536}),
+        ("expert", {}, {}),
+        ("allreduce[esp]", {"allreduce/esp": 65536}, {}),
+        ("a2a[ep]", {"alltoall/ep": 32768}, {"alltoall/ep": 32768}),
+        ("combine", {}, {})]
+
+
+def test_s1_bytes():
+    # Each MP rank keeps 64 tokens: C = ceil(64 * 2 / 4) = 32, (E, 32, M) = 32768 B.
+    # AlltoAll 32768/2 = 16384; ESP AllGather of the 32768 B piece sends 32768 * (2-1);
+    # ReduceScatter of (E, 64, M) = 65536 B sends 65536/2 = 32768; MP AllGather of the
+    # (64, 64) fp32 output piece sends 16384; the split gate's weight gradient (E x M fp32 =
+    # 1024 B) is all-reduced over MP in the backward: 2 * 1024 / 2 = 1024.
+    pair_up = {"alltoall/ep": 16384, "allgather/esp": 32768}
+    pair_down = {"reducescatter/esp": 32768, "alltoall/ep": 16384}
+    assert step_bytes("s1") == [
+        ("split_tokens[mp]", {}, {"allgather/mp": 16384}),
+        ("gate[mp]", {}, {"allreduce/mp": 1024}),
+        ("dispatch", {}, {}),
+        ("a2a+allgather[ep,esp]", pair_up, pair_down),
+        ("expert", {}, {}),
+        ("reducescatter+a2a[esp,ep]", pair_down, pair_up),
+        ("combine", {}, {}),
+        ("gather_tokens[mp]", {"allgather/mp": 16384}, {})]
+    # under sequence parallelism tokens arrive split: no MP gather, the same pairs
+    split = replace(SHAPE, sequence_parallel=True)
+    assert step_bytes("s1", split, True)[2:5] == step_bytes("s1")[3:6]
+
+
+def test_s2_bytes():
+    # Gate on all 128 tokens, C = 64 split over MP to 32: the pairs move s1's bytes; the MP
+    # AllGather of the dispatched (E, 32, M) piece sends 32768 (forward at gather_capacity,
+    # backward at split_capacity).
+    s1 = dict((step, (f, b)) for step, f, b in step_bytes("s1"))
+    assert step_bytes("s2") == [
+        ("gate", {}, {}), ("dispatch", {}, {}),
+        ("split_capacity[mp]", {}, {"allgather/mp": 32768}),
+        ("a2a+allgather[ep,esp]", *s1["a2a+allgather[ep,esp]"]),
+        ("expert", {}, {}),
+        ("reducescatter+a2a[esp,ep]", *s1["reducescatter+a2a[esp,ep]"]),
+        ("gather_capacity[mp]", {"allgather/mp": 32768}, {}),
+        ("combine", {}, {})]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_alltoall_halved_and_backward_mirrors(sequence_parallel):
+    shape = replace(SHAPE, sequence_parallel=True) if sequence_parallel else SHAPE
+    sent = {name: plan_cost(build_plan(name, sequence_parallel), shape, DEFAULT_PROFILE)["bytes"]
+            for name in ("baseline", "s1", "s2")}
+    for name in ("s1", "s2"):
+        for phase in ("forward", "backward"):
+            assert 2 * sent[name][phase]["alltoall/ep"] == sent["baseline"][phase]["alltoall/ep"]
+    for name, by_phase in sent.items():
+        forward, backward = by_phase["forward"], by_phase["backward"]
+        assert forward["alltoall/ep"] == backward["alltoall/ep"]
+        # AllGather <-> ReduceScatter over ESP: the same bytes each way
+        assert forward.get("allgather/esp") == backward.get("reducescatter/esp")
+        assert forward.get("reducescatter/esp") == backward.get("allgather/esp")
+        # MP AllGathers: a forward gather is a backward split and the other way round
+        extra = 1024 if name == "s1" else 0  # s1's gate weight gradient, backward only
+        assert backward.get("allreduce/mp", 0) == extra
+        assert forward.get("allgather/mp") == backward.get("allgather/mp")
+
+
+def test_expert_flops_and_capacity_state():
+    # baseline expert on (E, C, M) = 4 x 64 slots at H/ESP = 64: 2 * 256 * 64 * 64 * 2 flops
+    rows = plan_cost(build_plan("baseline", False), SHAPE, DEFAULT_PROFILE)["steps"]
+    assert rows[4]["step"] == "expert" and rows[4]["flops"] == 2 * 256 * 64 * 64 * 2
+    # s1's expert sees its 32 slots gathered over ESP = 64: the same rows as the baseline
+    held = dict((str(step), h) for step, h in walk(build_plan("s1", False), SHAPE))
+    assert held["expert"].capacity == 64 and held["gate[mp]"].tokens == 64
+    # dropless: balanced routing, C = ceil(n k / E), rounded to MP where the plan splits it
+    dropless = LayerShape(tokens=100, hidden=8, ffn=8, experts=8, topk=1, capacity_factor=None,
+                          mp=4, ep=2, esp=4)
+    assert dropless.capacity(100) == 13 and dropless.capacity(100, multiple=4) == 16
+    held = dict((str(step), h) for step, h in walk(build_plan("s2", False), dropless))
+    assert held["split_capacity[mp]"].capacity == 16
+
+
+def test_layouts_the_executor_refuses_are_refused():
+    # s2 with a capacity factor: C = ceil(128 * 1 / 4 * 1.2) = 39 does not split over MP 2
+    odd = LayerShape(tokens=128, hidden=8, ffn=8, experts=4, topk=1, capacity_factor=1.2,
+                     mp=2, ep=2, esp=2)
+    with pytest.raises(ValueError, match="capacity 39"):
+        plan_cost(build_plan("s2", False), odd, DEFAULT_PROFILE)
+    name, totals = choose_schedule(odd, DEFAULT_PROFILE)
+    assert name == "s1" and math.isinf(totals["s2"])
+    padded = replace(odd, pad_capacity=True)  # the what-if: 39 -> 40
+    assert dict((str(s), h) for s, h in walk(build_plan("s2", False), padded))[
+        "split_capacity[mp]"].capacity == 40
+    with pytest.raises(ValueError, match="ESP"):  # DeepSpeed TED needs ESP = MP
+        plan_cost(build_plan("baseline", False), replace(SHAPE, esp=1, ep=4), DEFAULT_PROFILE)
+
+
+def test_pipelined_pair_formula():
+    # streams A = 4 s, B = 2 s, no alphas: T(r) = r * max(A/r, B/r) + min(A/r, B/r)
+    assert pipelined_s((0, 4.0), (0, 2.0), 1) == 6.0            # A + B
+    assert pipelined_s((0, 4.0), (0, 2.0), 2) == 5.0            # 2 * 2 + 1
+    assert pipelined_s((0, 4.0), (0, 2.0), 4) == 4.5            # 4 * 1 + 0.5
+    times = [pipelined_s((0, 4.0), (0, 2.0), r) for r in (1, 2, 4, 8, 64, 1024)]
+    assert times == sorted(times, reverse=True) and times[-1] == pytest.approx(4.0, abs=3e-3)
+    # alphas: r = 1 pays both once; every chunk pays them: r = 4 -> 4 * (1 + 1) + (0.5 + 0.5)
+    assert pipelined_s((1.0, 4.0), (0.5, 2.0), 1) == 7.5
+    assert pipelined_s((1.0, 4.0), (0.5, 2.0), 4) == 9.0
+
+
+def test_pair_step_priced_with_the_formula():
+    # s1's a2a+allgather: AlltoAll 16384 B over EP (inter: gpus_per_node 2, EP stride 2) at
+    # 1e-8 s/B = 163.84 us; AllGather 32768 B over ESP (intra) at 1e-9 = 32.768 us.
+    prof = profile(intra_beta=1e-9, inter_beta=1e-8)
+    a2a, ag = 16384 * 1e-8, 32768 * 1e-9
+    for chunks in (1, 4):
+        rows = plan_cost(build_plan("s1", False), replace(SHAPE, chunks=chunks), prof)["steps"]
+        assert rows[3]["step"] == "a2a+allgather[ep,esp]"
+        expected = a2a + ag if chunks == 1 else max(a2a, ag) + min(a2a, ag) / chunks
+        assert rows[3]["forward_s"] == pytest.approx(expected)
+        assert rows[3]["backward_s"] == pytest.approx(expected)
+
+
+def test_group_placement():
+    # megatron order: ESP consecutive, EP stride ESP. 8 GPUs per node, 32 GPUs, MP=ESP=8, EP=4:
+    # the ESP group is a node, the EP group spans the 4 nodes.
+    assert not crosses_nodes(8, 1, 8) and crosses_nodes(4, 8, 8)
+    # 8 GPUs, MP=ESP=2, EP=4 (stride 2, span 8): one node of 8, two nodes of 4
+    assert not crosses_nodes(4, 2, 8) and crosses_nodes(4, 2, 4) and not crosses_nodes(2, 1, 4)
+    assert crosses_nodes(3, 1, 8)  # groups of 3 straddle the node boundary at rank 8
+    shape = LayerShape(tokens=8, hidden=8, ffn=8, experts=4, topk=1, capacity_factor=1.0,
+                       mp=8, ep=4, esp=8)
+    assert DEFAULT_PROFILE.link(shape, "ep") == "inter"
+    assert DEFAULT_PROFILE.link(shape, "esp") == DEFAULT_PROFILE.link(shape, "mp") == "intra"
+
+
+def test_choose_schedule_follows_the_mp_gather_bytes():
+    """With MP = ESP = 2 inside a node and EP across nodes, s1 and s2 move the same AlltoAll
+    and ESP bytes; they differ in the MP AllGathers: s1 gathers the N*M tokens, s2 the
+    dispatched (E, C, M) = k*f*N*M. Zero alphas and compute: seconds = bytes * beta."""
+    prof = profile(intra_beta=1e-9, inter_beta=1e-8)
+    # top-2, f = 1 (SHAPE): AlltoAll 4 x 16384 B inter in both = 655.36 us.
+    # s1 intra: forward 32768 + 32768 + 16384, backward the same + 1024 (gate weight)
+    #   = 164864 B = 164.864 us; s2 intra: 3 x 32768 each way = 196608 B = 196.608 us.
+    name, totals = choose_schedule(SHAPE, prof, ("baseline", "s1", "s2"))
+    assert name == "s1"
+    assert totals["s1"] == pytest.approx(655.36e-6 + 164.864e-6)
+    assert totals["s2"] == pytest.approx(655.36e-6 + 196.608e-6)
+    # baseline: AlltoAll 4 x 32768 inter = 1310.72 us, AllReduce 2 x 65536 intra = 131.072 us
+    assert totals["baseline"] == pytest.approx(1310.72e-6 + 131.072e-6)
+    # top-1, f = 0.5: s2's C = 16 -> 8 per MP rank, s1's C = ceil(64 / 4 * 0.5) = 8, so the
+    # pairs match (AlltoAll 4 x 4096 B = 163.84 us); MP gathers: s1 16384 B each way (+1024),
+    # s2 (E, 8, M) = 8192 B each way. s1 intra 66560 B, s2 intra 49152 B.
+    sparse = replace(SHAPE, topk=1, capacity_factor=0.5)
+    name, totals = choose_schedule(sparse, prof)
+    assert name == "s2"
+    assert totals["s1"] == pytest.approx(163.84e-6 + 66.56e-6)
+    assert totals["s2"] == pytest.approx(163.84e-6 + 49.152e-6)
+
+
+def test_fit_alpha_beta_recovers_known_values():
+    rng = np.random.default_rng(0)
+    sizes = np.geomspace(1e3, 1e9, 40)
+    alpha, beta = 25e-6, 1 / 22e9
+    seconds = alpha + beta * sizes
+    seconds = seconds * (1 + 1e-3 * rng.standard_normal(sizes.size))
+    fit_a, fit_b, r2 = fit_alpha_beta(sizes, seconds)
+    assert r2 > 0.999
+    assert fit_b == pytest.approx(beta, rel=1e-2)
+    assert fit_a == pytest.approx(alpha, rel=0.2)
+    exact = fit_alpha_beta([1, 2, 3], [5.0, 7.0, 9.0])
+    assert exact == pytest.approx((3.0, 2.0, 1.0))
+
+
+def test_profile_json_round_trip(tmp_path):
+    assert Profile.from_json(DEFAULT_PROFILE.to_json()) == DEFAULT_PROFILE
+    path = tmp_path / "profile.json"
+    DEFAULT_PROFILE.to_json(str(path))
+    assert Profile.from_json(str(path)) == DEFAULT_PROFILE
+    with pytest.raises(ValueError, match="lacks"):
+        Profile.from_json(json.dumps({"gpus_per_node": 8, "collectives": {}, "compute": {}}))
+    # the shipped A100 cluster file holds DEFAULT_PROFILE's numbers in readable units
+    a100 = Profile.from_json(str(ROOT / "tools/clusters/a100-nvlink-8x.json"))
+    assert a100.gpus_per_node == DEFAULT_PROFILE.gpus_per_node
+    for kind in KINDS:
+        for link in ("intra", "inter"):
+            assert a100.collectives[kind][link] == pytest.approx(
+                DEFAULT_PROFILE.collectives[kind][link])
+    assert a100.compute == pytest.approx(DEFAULT_PROFILE.compute)
+    assert Profile.from_json(str(ROOT / "tools/clusters/pcie-4x.json")).gpus_per_node == 4
+
+
+def test_simulate_cluster_small_grid(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("simulate_cluster",
+                                                  ROOT / "tools/simulate_cluster.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "sim.json"
+    rows = tool.main(["--cluster", "pcie-4x", "--batch", "4", "--seq", "512,1024",
+                      "--hidden", "1024", "--ffn-ratio", "4", "--experts", "8,16",
+                      "--topk", "1,2", "--capacity-factor", "1.0,none",
+                      "--layouts", "8:2,32:8", "--chunks", "2", "--what-if",
+                      "--json", str(out), "--png", str(tmp_path / "hist.png")])
+    text = capsys.readouterr().out
+    assert len(rows) == 2 * 2 * 2 * 2 * 2
+    for word in ("min", "median", "max", "auto", "s2spec", "by MP size", "by tokens"):
+        assert word in text
+    saved = json.loads(out.read_text())
+    assert len(saved["configs"]) == len(rows) and saved["cluster"]["gpus_per_node"] == 4
+    assert all(row["auto"] in ("s1", "s2") and row["speedup"]["auto"] > 0 for row in rows)
+    assert "skipped" in text or (tmp_path / "hist.png").exists()

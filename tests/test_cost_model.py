@@ -74,17 +74,19 @@ def test_s1_bytes():
 
 
 def test_s2_bytes():
-    # Gate on all 128 tokens, C = 64 split over MP to 32: the pairs move s1's bytes; the MP
-    # AllGather of the dispatched (E, 32, M) piece sends 32768 (forward at gather_capacity,
-    # backward at split_capacity).
+    # Gate on all 128 tokens, C = 64 split over MP to 32: the forward pair moves s1's bytes;
+    # the ESP ReduceScatter of (E, 64, M) sends half of 4*64*64*4 = 32768; the unified AlltoAll
+    # (E, 32, M) sends 16384 and its MP AllGather 32768 (backward: split, then the AlltoAll);
+    # the backward of split_capacity is the MP AllGather of the (E, 32, M) piece, 32768.
     s1 = dict((step, (f, b)) for step, f, b in step_bytes("s1"))
     assert step_bytes("s2") == [
         ("gate", {}, {}), ("dispatch", {}, {}),
         ("split_capacity[mp]", {}, {"allgather/mp": 32768}),
         ("a2a+allgather[ep,esp]", *s1["a2a+allgather[ep,esp]"]),
         ("expert", {}, {}),
-        ("reducescatter+a2a[esp,ep]", *s1["reducescatter+a2a[esp,ep]"]),
-        ("gather_capacity[mp]", {"allgather/mp": 32768}, {}),
+        ("reducescatter[esp]", {"reducescatter/esp": 32768}, {"allgather/esp": 32768}),
+        ("a2a+gather_capacity[ep,mp]", {"alltoall/ep": 16384, "allgather/mp": 32768},
+         {"alltoall/ep": 16384}),
         ("combine", {}, {})]
 
 

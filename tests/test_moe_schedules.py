@@ -30,7 +30,7 @@ def test_s1_pauses_mp_before_the_gate():
 
 def test_s2_pauses_mp_after_the_gate():
     assert ops("s2") == ["gate", "dispatch", "split_capacity[mp]", "a2a+allgather[ep,esp]",
-                         "expert", "reducescatter+a2a[esp,ep]", "gather_capacity[mp]", "combine"]
+                         "expert", "reducescatter[esp]", "a2a+gather_capacity[ep,mp]", "combine"]
     assert build_plan("s2", False).splits_capacity
 
 

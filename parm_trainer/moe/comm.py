@@ -291,6 +291,14 @@ def _rs_then_a2a(y, a2a, rs, chunk_dim, rs_dim, chunks, phase):
     return out
 
 
+def _split_then_a2a(grad, a2a, gather, chunk_dim, dim, chunks, phase):
+    """Backward of all_to_all_then_gather: the gathered result was used identically on every
+    rank, so each keeps its own block of the grad (no traffic), then the AlltoAll goes back."""
+    (a2a_group, a2a_name), (gather_group, gather_name) = a2a, gather
+    piece = _split(grad, gather_group, gather_name, dim, phase)
+    return _a2a(piece, a2a_group, a2a_name, phase)
+
+
 # --- autograd functions --------------------------------------------------------------------
 
 def _dual_op(class_name, forward, backward):
@@ -317,6 +325,7 @@ _Gather = _dual_op("_Gather", _ag, _split)
 _CopyTo = _dual_op("_CopyTo", _identity, _ar)
 _AllToAllThenAllGather = _dual_op("_AllToAllThenAllGather", _a2a_then_ag, _rs_then_a2a)
 _ReduceScatterThenAllToAll = _dual_op("_ReduceScatterThenAllToAll", _rs_then_a2a, _a2a_then_ag)
+_AllToAllThenGather = _dual_op("_AllToAllThenGather", _a2a_then_ag, _split_then_a2a)
 
 
 # --- public ops ----------------------------------------------------------------------------
@@ -384,3 +393,15 @@ def reduce_scatter_then_all_to_all(y, rs_group, rs_name, a2a_group, a2a_name, ch
     chunk_dim, rs_dim = _pair_dims(y, chunk_dim, rs_dim, chunks)
     return _ReduceScatterThenAllToAll.apply(y, (a2a_group, a2a_name), (rs_group, rs_name),
                                             chunk_dim, rs_dim, chunks)
+
+
+def all_to_all_then_gather(x, a2a_group, a2a_name, gather_group, gather_name, chunk_dim, dim,
+                           chunks):
+    """gather(all_to_all(x, a2a), gather_group, dim), pipelined like all_to_all_then_all_gather
+    (Parm's unified AlltoAll + MP-AllGather of S2); the result is used identically by every
+    rank of gather_group, so the backward splits the grad instead of reduce-scattering it."""
+    if group_size(a2a_group) == 1 and group_size(gather_group) == 1:
+        return x
+    chunk_dim, dim = _pair_dims(x, chunk_dim, dim, chunks)
+    return _AllToAllThenGather.apply(x, (a2a_group, a2a_name), (gather_group, gather_name),
+                                     chunk_dim, dim, chunks)

@@ -269,6 +269,13 @@ def step_load(step: Step, shape: LayerShape, held: Held) -> tuple:
                         backward=rs + a2a if up else a2a + ag,
                         pipelined=True, chunks=max(1, min(s.chunks, small)))
         return load, replace(held, capacity=c * s.esp if up else small)
+    if op == "a2a+gather_capacity":  # S2's unified AlltoAll + MP-AllGather of the layout
+        need(s.experts % s.ep == 0, f"{s.experts} experts do not split over EP {s.ep}")
+        a2a, ag = coll("alltoall", "ep", slab), coll("allgather", "mp", slab)
+        # backward: each MP rank keeps its block of the replicated grad, then one AlltoAll
+        load = StepLoad(forward=a2a + ag, backward=a2a, pipelined=True,
+                        chunks=max(1, min(s.chunks, c)))
+        return load, replace(held, capacity=c * s.mp)
     raise ValueError(f"unknown plan step {step}")
 
 
@@ -285,9 +292,8 @@ def _phase_s(colls: tuple, load: StepLoad, shape: LayerShape, profile: Profile) 
     for kind, group, sent in colls:
         alpha, beta = profile.collectives[kind][profile.link(shape, group)]
         streams.append((alpha, sent * beta))
-    if load.pipelined and streams:
-        return pipelined_s(streams[0], streams[1] if len(streams) > 1 else (0.0, 0.0),
-                           load.chunks)
+    if load.pipelined and len(streams) == 2:
+        return pipelined_s(streams[0], streams[1], load.chunks)
     return sum(alpha + t for alpha, t in streams)
 
 

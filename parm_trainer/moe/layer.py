@@ -164,6 +164,11 @@ class ParmMoELayer(MegatronModule):
             elif op == "a2a+allgather":
                 x = comm.all_to_all_then_all_gather(x, groups["ep"], "ep", groups["esp"], "esp",
                                                     chunk_dim=1, ag_dim=1, chunks=chunks)
+            elif op == "reducescatter":
+                x = comm.reduce_scatter(x, groups["esp"], "esp", dim=1)
+            elif op == "a2a+gather_capacity":
+                x = comm.all_to_all_then_gather(x, groups["ep"], "ep", groups["mp"], "mp",
+                                                chunk_dim=1, dim=1, chunks=chunks)
             elif op == "reducescatter+a2a":
                 x = comm.reduce_scatter_then_all_to_all(x, groups["esp"], "esp", groups["ep"],
                                                         "ep", chunk_dim=1, rs_dim=1,

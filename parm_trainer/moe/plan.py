@@ -16,7 +16,8 @@ steps call (comm.py); a cost model can price the same steps. Step ops:
     reducescatter   ESP-ReduceScatter along the capacity dimension
     allreduce       ESP-AllReduce
     copy            identity; backward, ESP-AllReduce of the gradient (replicated expert input)
-    a2a+allgather, reducescatter+a2a   the overlapped pairs, pipelined in `chunks` pieces
+    a2a+allgather, reducescatter+a2a, a2a+gather_capacity
+                    the overlapped pairs, pipelined in `chunks` pieces
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ s1        MP paused before the gate: each MP rank gates its 1/G of the tokens, A
           D/G, ESP-AllGather, expert, ESP-ReduceScatter, AlltoAll back, combine, MP-AllGather of
           the output (skipped under sequence parallelism, where the split is already the layout).
 s2        MP paused after the gate: every MP rank gates all N tokens, keeps 1/G of the capacity
-          slots, AlltoAll (EP), ESP-AllGather, expert, ESP-ReduceScatter, AlltoAll back, then an
-          MP-AllGather of the dispatched layout and the combine on all N tokens.
+          slots, AlltoAll (EP), ESP-AllGather, expert, ESP-ReduceScatter, then the AlltoAll back
+          pipelined with the MP-AllGather of the dispatched layout (Parm's unified collective),
+          and the combine on all N tokens.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def s1(sequence_parallel: bool) -> Plan:
 
 def s2(sequence_parallel: bool) -> Plan:
     steps = [Step("gate"), Step("dispatch"), Step("split_capacity", "mp"),
-             Step("a2a+allgather", "ep,esp"), Step("expert"), Step("reducescatter+a2a", "esp,ep"),
-             Step("gather_capacity", "mp"), Step("combine")]
+             Step("a2a+allgather", "ep,esp"), Step("expert"), Step("reducescatter", "esp"),
+             Step("a2a+gather_capacity", "ep,mp"), Step("combine")]
     if sequence_parallel:
         steps = [Step("gather_tokens", "mp"), *steps, Step("split_tokens", "mp")]
     return Plan("s2", tuple(steps), splits_tokens=False, splits_capacity=True)

@@ -63,11 +63,15 @@ def _moe_group(parser):
     g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="Weight of router z-loss.")
     g.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"],
                    default="alltoall", help="megatron-core dispatcher used by the megatron schedule.")
-    g.add_argument("--moe-parm-schedule", choices=["megatron", "baseline", "s1", "s2"],
+    g.add_argument("--moe-parm-schedule", choices=["auto", "s1", "s2", "baseline", "megatron"],
                    default="s1",
                    help="MoE communication schedule: Parm's s1 (gate on split tokens) or s2 "
-                        "(gate on all tokens, split the capacity), the DeepSpeed-style baseline, "
+                        "(gate on all tokens, split the capacity), auto (the cheaper of the two "
+                        "by the cost model, chosen at start-up), the DeepSpeed-style baseline, "
                         "or megatron-core's own dispatcher.")
+    g.add_argument("--moe-parm-cost-profile", default=None,
+                   help="Cluster cost profile (JSON) for --moe-parm-schedule auto; default: a "
+                        "built-in A100 profile (assumed numbers).")
     g.add_argument("--moe-parm-chunks", type=int, default=1,
                    help="Pipeline the EP AlltoAll with the ESP AllGather/ReduceScatter in this "
                         "many chunks (1: no pipelining).")

@@ -73,3 +73,25 @@ def test_megatron_schedule_keeps_megatrons_rule():
     with pytest.raises(LayoutError, match="needs --sequence-parallel"):
         _layout(2, "--moe-parm-schedule", "megatron", "--tensor-model-parallel-size", "2")
     _layout(2, "--moe-parm-schedule", "s2", "--tensor-model-parallel-size", "2")
+
+
+def _auto(*argv):
+    from parm_trainer.moe.auto import resolve_auto_schedule
+
+    args = parse_args(["--num-experts", "8", "--disable-bias-linear", "--moe-parm-schedule",
+                       "auto", "--tensor-model-parallel-size", "4", "--hidden-size", "1024",
+                       "--num-attention-heads", "8", "--seq-length", "1024",
+                       "--expert-model-parallel-size", "2", *argv], world_size=8)
+    said = []
+    resolve_auto_schedule(args, log=said.append)
+    return args.moe_parm_schedule, said[0]
+
+
+def test_auto_picks_by_the_cost_model_and_says_so():
+    # top-2 dispatch: S2's MP gather of k*N*M outweighs S1's of N*M
+    chosen, line = _auto("--moe-router-topk", "2")
+    assert chosen == "s1" and "using s1" in line and "built-in default profile" in line
+    # top-1 with capacity factor 0.5: S2 gathers k*f*N*M = N*M/2, less than S1's N*M
+    chosen, line = _auto("--moe-router-topk", "1", "--moe-expert-capacity-factor", "0.5")
+    assert chosen == "s2", line
+    assert "s1 " in line and "s2 " in line  # both predictions are logged

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
@@ -14,6 +15,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from parm_trainer.moe.layer import ParmMoELayer
+
+
+# TransformerLayer passes process groups only to the MLP classes it knows and logs "Unknown MLP
+# type" for any other; ParmMoELayer takes its groups from parallel_state, so the note is noise.
+logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(
+    lambda record: "Unknown MLP type" not in record.getMessage())
 
 
 def gpt_layer_spec(config: TransformerConfig, args: argparse.Namespace):

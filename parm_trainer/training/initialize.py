@@ -16,6 +16,7 @@ import torch
 
 from parm_trainer.arguments import ArgumentsError, parse_args
 from parm_trainer.compat import cpu
+from parm_trainer.moe.auto import resolve_auto_schedule
 from parm_trainer.parallel import LayoutError, initialize_distributed, validate_layout
 
 
@@ -53,6 +54,7 @@ def _is_number(text: str) -> bool:
 def initialize(argv=None, extra_args_provider=None, check_inputs=_check_inputs):
     """Parse flags, check them, apply the CPU layer if needed, start the process groups."""
     args = parse_args(argv, extra_args_provider)
+    resolve_auto_schedule(args, log=lambda line: _rank() == 0 and print(line, flush=True))
     validate_layout(args)
     if check_inputs is not None:
         check_inputs(args)

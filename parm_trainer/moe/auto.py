@@ -1,0 +1,39 @@
+"""--moe-parm-schedule auto: pick S1 or S2 once at start-up with the cost model.
+
+The layer shape comes from the flags (tokens per MP group = --seq-length x --micro-batch-size)
+and the cluster from --moe-parm-cost-profile (a JSON profile; see cost_model.Profile) or, without
+one, cost_model.DEFAULT_PROFILE, whose numbers are assumed A100 figures, not measurements; the
+log says which was used and the predicted time of each candidate.
+"""
+
+from __future__ import annotations
+
+import os
+
+from parm_trainer.moe.cost_model import DEFAULT_PROFILE, LayerShape, Profile, choose_schedule
+
+
+def layer_shape(args) -> LayerShape:
+    return LayerShape(
+        tokens=args.seq_length * args.micro_batch_size, hidden=args.hidden_size,
+        ffn=args.moe_ffn_hidden_size, experts=args.num_experts, topk=args.moe_router_topk,
+        capacity_factor=args.moe_expert_capacity_factor, bytes_per_element=2 if args.bf16 else 4,
+        mp=args.tensor_model_parallel_size, ep=args.expert_model_parallel_size,
+        esp=args.expert_tensor_parallel_size, sequence_parallel=args.sequence_parallel,
+        chunks=args.moe_parm_chunks)
+
+
+def resolve_auto_schedule(args, log=print) -> None:
+    """Replace args.moe_parm_schedule "auto" by the cheaper of s1 and s2, and say why."""
+    if args.moe_parm_schedule != "auto" or not args.num_experts:
+        return
+    path = args.moe_parm_cost_profile
+    if path and not os.path.isfile(path):
+        raise FileNotFoundError(f"--moe-parm-cost-profile {path}: no such file")
+    profile = Profile.from_json(path) if path else DEFAULT_PROFILE
+    source = path or f"the built-in default profile ({profile.description})"
+    chosen, predicted = choose_schedule(layer_shape(args), profile)
+    times = ", ".join(f"{name} {seconds * 1e3:.3f} ms" for name, seconds in predicted.items())
+    log(f"--moe-parm-schedule auto: predicted forward+backward per MoE layer {times} "
+        f"with {source}; using {chosen}")
+    args.moe_parm_schedule = chosen

@@ -1,0 +1,43 @@
+"""tools/calibrate_comm.py: one 2-rank gloo launch on a small size range writes a cost profile
+that Profile.from_json loads, with a positive alpha and beta for every kind and link and the
+r^2 of each fit reported. No timing is asserted beyond that (CPU timings are noisy).
+
+    .venv/bin/python -m pytest tests/test_calibrate_comm.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+from parm_trainer.moe.cost_model import KINDS, LINKS, Profile
+
+
+def test_two_rank_calibration_writes_loadable_profile(tmp_path):
+    out = tmp_path / "profile.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, "tools/calibrate_comm.py", "--nproc", "2",
+         "--sizes", "4096,65536,524288", "--repeats", "3", "--warmup", "1",
+         "--output", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+
+    profile = Profile.from_json(str(out))
+    assert profile.gpus_per_node == 2
+    for kind in KINDS:
+        for link in LINKS:
+            alpha, beta = profile.collectives[kind][link]
+            assert alpha > 0 and beta > 0, (kind, link, alpha, beta)
+    assert "'inter' not measured" in profile.description  # one machine: intra copied
+
+    data = json.loads(out.read_text())
+    for kind in KINDS:
+        intra, inter = data["fit"][kind]["intra"], data["fit"][kind]["inter"]
+        assert isinstance(intra["r2"], float) and intra["r2"] <= 1.0
+        assert intra["measured"] and not inter["measured"]
+        assert intra["group_size"] == 2 and len(intra["points"]) == 3
+        assert f"{kind:<14}intra" in result.stdout  # the table row

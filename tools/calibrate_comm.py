@@ -1,0 +1,312 @@
+"""python tools/calibrate_comm.py --nproc 4 [--sizes 4096,65536,...] [--repeats 5] [--gpus-per-node N] --output profile.json
+
+Measures the alpha (s) and beta (s/byte) of each collective the MoE cost model prices
+(parm_trainer/moe/cost_model.py: "alltoall", "allgather", "reducescatter", "allreduce") on real
+process groups, and writes a cost Profile JSON that Profile.from_json loads (pass it with
+--moe-parm-cost-profile).
+
+With --nproc N the tool starts N ranks itself on this machine (torch.distributed.run, gloo on
+CPU, nccl on GPU); without it, it is one rank of a job started by torchrun (so a multi-node
+launch measures the inter-node links):
+    torchrun --nnodes 2 --nproc-per-node 8 ... tools/calibrate_comm.py --output profile.json
+
+Groups. The whole world is measured; it is "inter" when --gpus-per-node (default: torchrun's
+LOCAL_WORLD_SIZE, the ranks on this node) is smaller than the world, else "intra". When it is
+smaller, every node's ranks also form a group (all measured at once), which gives "intra". A link
+class with no measurement of its own gets the other's values, and the JSON "description" says so
+(a one-machine run measures only "intra", and writes it to "inter" too).
+
+Sizes (--sizes, bytes of the tensor each rank passes in, float32; default 8 sizes from 4 KiB to
+4 MiB): the input B of AlltoAll / ReduceScatter / AllReduce and the local piece of AllGather.
+For each kind and size: --warmup untimed calls, then --repeats timed calls, each after a barrier
+on the group; a call's time is the maximum over the group's ranks (all_reduce MAX), and a size's
+time is the median over the repeats. alpha and beta are fitted by least squares
+(cost_model.fit_alpha_beta) against the bytes each rank SENDS (comm.py's formulas, which the cost
+model prices): AlltoAll and ReduceScatter B(W-1)/W, AllGather (W-1)*piece, AllReduce
+2B(W-1)/W. A fit whose alpha or beta comes out <= 0 (noise, e.g. on a loaded machine) is redone with that
+term pinned (alpha at the fastest median time seen, then beta refitted by least squares; or beta
+at 1e-15 s/byte and alpha the median time) and is flagged "clamped", in the table and the JSON.
+The JSON's extra "fit" key holds, per kind and link, alpha_us, GBps, r2, the group size, whether
+it was measured or copied, and the (sent bytes, seconds) points; from_json ignores it.
+
+A fit with r^2 < 0.95 is warned about, or, with --require-r2, ends the run with exit status 1.
+The "compute" entry is DEFAULT_PROFILE's (not measured here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from parm_trainer.moe.cost_model import (DEFAULT_PROFILE, KINDS, LINKS, Profile,  # noqa: E402
+                                         fit_alpha_beta, sent_bytes)
+
+R2_MIN = 0.95
+ALPHA_FLOOR = 1e-9   # s
+BETA_FLOOR = 1e-15   # s/byte (1 PB/s)
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=None,
+                   help="start this many ranks on this machine under torch.distributed.run")
+    p.add_argument("--sizes", type=str, default=None,
+                   help="comma-separated bytes per rank (default: 8 sizes, 4 KiB to 4 MiB)")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per size (median)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls per size first")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="ranks per node (default: LOCAL_WORLD_SIZE, i.e. this node's ranks)")
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                   help="auto: nccl when CUDA is available, else gloo")
+    p.add_argument("--output", type=str, required=True, help="profile JSON to write")
+    p.add_argument("--name", type=str, default="calibrated")
+    p.add_argument("--require-r2", action="store_true",
+                   help=f"exit 1 if any fit has r^2 < {R2_MIN} (default: warn)")
+    p.add_argument("--timeout-minutes", type=float, default=10.0)
+    args = p.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 0:
+        p.error("--repeats must be >= 1 and --warmup >= 0")
+    if args.sizes:
+        args.sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    else:
+        args.sizes = [int(s) for s in np.geomspace(4096, 4 << 20, 8)]
+    if len(args.sizes) < 2 or min(args.sizes) <= 0:
+        p.error("--sizes needs at least two positive sizes")
+    return args
+
+
+# --- launcher ------------------------------------------------------------------------------
+
+def _strip_nproc(argv):
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == "--nproc":
+            skip = True
+        elif not item.startswith("--nproc="):
+            out.append(item)
+    return out
+
+
+def launch(argv, nproc: int) -> int:
+    """Re-run this tool as `nproc` ranks under torchrun on this machine."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(nproc), os.path.abspath(__file__), *_strip_nproc(argv)]
+    return subprocess.call(command, env=env)
+
+
+# --- the worker ----------------------------------------------------------------------------
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _numel(nbytes: int, world: int) -> int:
+    """float32 elements for ~nbytes, a positive multiple of world (blocks of equal size)."""
+    return max(world, (nbytes // 4) // world * world)
+
+
+def _op(kind, x, group, world):
+    """A callable issuing one `kind` collective on x (buffers allocated once)."""
+    if kind == "alltoall":
+        out = torch.empty_like(x)
+        return lambda: dist.all_to_all_single(out, x, group=group)
+    if kind == "allgather":
+        out = x.new_empty(x.numel() * world)
+        return lambda: dist.all_gather_into_tensor(out, x, group=group)
+    if kind == "reducescatter":
+        out = x.new_empty(x.numel() // world)
+        return lambda: dist.reduce_scatter_tensor(out, x, group=group)
+    if kind == "allreduce":
+        return lambda: dist.all_reduce(x, group=group)
+    raise ValueError(kind)
+
+
+def measure(group, sizes, repeats, warmup, device):
+    """{kind: [(sent bytes, median seconds)]} on `group` (every rank of it calls this)."""
+    world = dist.get_world_size(group)
+    out = {}
+    for kind in KINDS:
+        points = []
+        for size in sizes:
+            x = torch.ones(_numel(size, world), dtype=torch.float32, device=device)
+            call = _op(kind, x, group, world)
+            for _ in range(warmup):
+                call()
+            _sync(device)
+            times = torch.zeros(repeats, dtype=torch.float64, device=device)
+            for i in range(repeats):
+                dist.barrier(group=group)
+                _sync(device)
+                t0 = time.perf_counter()
+                call()
+                _sync(device)
+                times[i] = time.perf_counter() - t0
+            dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+            seconds = statistics.median(times.cpu().tolist())
+            points.append((sent_bytes(kind, x.nbytes, world), seconds))
+        out[kind] = points
+    return out
+
+
+def fit(points):
+    """(alpha, beta, r2, clamped) from [(sent bytes, seconds)]."""
+    x = np.array([p[0] for p in points], dtype=float)
+    y = np.array([p[1] for p in points], dtype=float)
+    alpha, beta, r2 = fit_alpha_beta(x, y)
+    clamped = False
+    if alpha <= 0 or beta <= 0:
+        clamped = True
+        if beta > 0:  # alpha pinned at the fastest call seen (a latency bound), beta refit
+            alpha = max(float(y.min()), ALPHA_FLOOR)
+            beta = max(float(np.dot(x, y - alpha) / np.dot(x, x)), BETA_FLOOR)
+        else:         # no size dependence seen: beta at its floor, alpha the median time
+            beta = BETA_FLOOR
+            alpha = max(float(np.median(y)), ALPHA_FLOOR)
+        spread = float(np.sum((y - y.mean()) ** 2))
+        r2 = 1.0 - float(np.sum((y - alpha - beta * x) ** 2)) / spread if spread else 1.0
+    return float(alpha), float(beta), float(r2), clamped
+
+
+def worker(args) -> int:
+    backend = args.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    if "RANK" not in os.environ:  # a plain `python` run: one rank
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29518"))
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=args.timeout_minutes))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world < 2:
+        if rank == 0:
+            print("calibrate_comm: needs at least 2 ranks (use --nproc N or torchrun)",
+                  file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    per_node = args.gpus_per_node or local
+    hosts = world // local if world % local == 0 else None
+
+    # Groups: the world, and every node's ranks when the world spans nodes.
+    measured = {}  # link -> (group size, {kind: points})
+    world_link = "inter" if per_node < world else "intra"
+    measured[world_link] = (world, measure(dist.group.WORLD, args.sizes, args.repeats,
+                                           args.warmup, device))
+    if per_node < world and per_node >= 2:
+        nodes = [list(range(s, min(s + per_node, world))) for s in range(0, world, per_node)]
+        mine, _ = dist.new_subgroups_by_enumeration(nodes)
+        size = dist.get_world_size(mine)
+        points = measure(mine, args.sizes, args.repeats, args.warmup, device)
+        # Nodes measured at once: take each point's slowest node (max over the world).
+        flat = torch.tensor([[s for _, s in points[k]] for k in KINDS], dtype=torch.float64,
+                            device=device)
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+        points = {k: [(b, t) for (b, _), t in zip(points[k], flat[i].cpu().tolist())]
+                  for i, k in enumerate(KINDS)}
+        measured["intra"] = (size, points)
+
+    status = 0
+    if rank == 0:
+        status = report(args, backend, world, per_node, hosts, measured)
+    dist.barrier()
+    dist.destroy_process_group()
+    return status
+
+
+def report(args, backend, world, per_node, hosts, measured) -> int:
+    fits = {link: {k: fit(points) for k, points in pts.items()}
+            for link, (_, pts) in measured.items()}
+    notes = [f"measured by tools/calibrate_comm.py: {backend}, world {world}, "
+             f"{per_node} ranks per node" + (f" ({hosts} host(s) by LOCAL_WORLD_SIZE)"
+                                             if hosts else ""),
+             f"sizes {args.sizes} bytes per rank, median of {args.repeats} after "
+             f"{args.warmup} warm-up; compute entry is {DEFAULT_PROFILE.name}'s (not measured)"]
+    for link in LINKS:
+        if link not in fits:
+            other = "intra" if link == "inter" else "inter"
+            notes.append(f"'{link}' not measured (no {'multi-node' if link == 'inter' else 'intra-node'}"
+                         f" group): copied from '{other}'")
+    if hosts == 1 and "inter" in measured:
+        notes.append(f"one host: 'inter' groups (--gpus-per-node {per_node}) did not cross a "
+                     "network")
+
+    collectives, extra, bad = {}, {}, []
+    for kind in KINDS:
+        collectives[kind], extra[kind] = {}, {}
+        for link in LINKS:
+            src = link if link in fits else ("intra" if link == "inter" else "inter")
+            alpha, beta, r2, clamped = fits[src][kind]
+            collectives[kind][link] = (alpha, beta)
+            extra[kind][link] = {"alpha_us": alpha * 1e6, "GBps": 1.0 / beta / 1e9, "r2": r2,
+                                 "clamped": clamped, "measured": src == link,
+                                 "group_size": measured[src][0],
+                                 "points": [[b, s] for b, s in measured[src][1][kind]]}
+    profile = Profile(gpus_per_node=per_node, collectives=collectives,
+                      compute=DEFAULT_PROFILE.compute, name=args.name,
+                      description="; ".join(notes))
+    data = json.loads(profile.to_json())
+    data["fit"] = extra
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    os.makedirs(out_dir, exist_ok=True)
+    with open(args.output, "w") as f:
+        f.write(json.dumps(data, indent=2) + "\n")
+
+    print(f"{'kind':<14}{'link':<7}{'ranks':>6}{'alpha (us)':>12}{'GB/s':>12}{'r^2':>8}")
+    for link in LINKS:
+        if link not in fits:
+            continue
+        for kind in KINDS:
+            alpha, beta, r2, clamped = fits[link][kind]
+            flag = " clamped" if clamped else ""
+            print(f"{kind:<14}{link:<7}{measured[link][0]:>6}{alpha * 1e6:>12.2f}"
+                  f"{1.0 / beta / 1e9:>12.4g}{r2:>8.3f}{flag}")
+            if r2 < R2_MIN:
+                bad.append(f"{kind}/{link} r^2={r2:.3f}")
+    for note in notes[2:]:
+        print(f"note: {note}")
+    print(f"wrote {args.output}")
+    if bad:
+        message = f"calibrate_comm: fit r^2 below {R2_MIN}: {', '.join(bad)}"
+        if args.require_r2:
+            print(message, file=sys.stderr)
+            return 1
+        print(f"warning: {message[len('calibrate_comm: '):]} (more --repeats or a wider "
+              "--sizes range may help)", file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    if args.nproc is not None:
+        if args.nproc < 2:
+            print("calibrate_comm: --nproc must be at least 2", file=sys.stderr)
+            return 2
+        return launch(argv, args.nproc)
+    return worker(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

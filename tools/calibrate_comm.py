@@ -1,4 +1,4 @@
-"""python tools/calibrate_comm.py --nproc 4 [--sizes 4096,65536,...] [--repeats 5] [--gpus-per-node N] --output profile.json
+"""python tools/calibrate_comm.py --nproc 4 [--sizes 262144,1048576,...] [--repeats 5] [--gpus-per-node N] --output profile.json
 
 Measures the alpha (s) and beta (s/byte) of each collective the MoE cost model prices
 (parm_trainer/moe/cost_model.py: "alltoall", "allgather", "reducescatter", "allreduce") on real
@@ -16,8 +16,9 @@ smaller, every node's ranks also form a group (all measured at once), which give
 class with no measurement of its own gets the other's values, and the JSON "description" says so
 (a one-machine run measures only "intra", and writes it to "inter" too).
 
-Sizes (--sizes, bytes of the tensor each rank passes in, float32; default 8 sizes from 4 KiB to
-4 MiB): the input B of AlltoAll / ReduceScatter / AllReduce and the local piece of AllGather.
+Sizes (--sizes, bytes of the tensor each rank passes in, float32; default 7 sizes from 256 KiB to
+16 MiB, large enough that the bandwidth term stands out of scheduling noise; on 4 gloo ranks on 2
+cores smaller messages all take ~1-5 ms whatever their size and fit with r^2 < 0.5): the input B of AlltoAll / ReduceScatter / AllReduce and the local piece of AllGather.
 For each kind and size: --warmup untimed calls, then --repeats timed calls, each after a barrier
 on the group; a call's time is the maximum over the group's ranks (all_reduce MAX), and a size's
 time is the median over the repeats. alpha and beta are fitted by least squares
@@ -64,7 +65,7 @@ def parse(argv):
     p.add_argument("--nproc", type=int, default=None,
                    help="start this many ranks on this machine under torch.distributed.run")
     p.add_argument("--sizes", type=str, default=None,
-                   help="comma-separated bytes per rank (default: 8 sizes, 4 KiB to 4 MiB)")
+                   help="comma-separated bytes per rank (default: 7 sizes, 256 KiB to 16 MiB)")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per size (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per size first")
     p.add_argument("--gpus-per-node", type=int, default=None,
@@ -82,7 +83,7 @@ def parse(argv):
     if args.sizes:
         args.sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     else:
-        args.sizes = [int(s) for s in np.geomspace(4096, 4 << 20, 8)]
+        args.sizes = [int(s) for s in np.geomspace(256 << 10, 16 << 20, 7)]
     if len(args.sizes) < 2 or min(args.sizes) <= 0:
         p.error("--sizes needs at least two positive sizes")
     return args

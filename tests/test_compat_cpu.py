@@ -19,7 +19,6 @@ import re
 import socket
 import subprocess
 import sys
-import textwrap
 import types
 import warnings
 from pathlib import Path

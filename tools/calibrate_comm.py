@@ -41,7 +41,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -91,25 +90,11 @@ def parse(argv):
 
 # --- launcher ------------------------------------------------------------------------------
 
-def _strip_nproc(argv):
-    out, skip = [], False
-    for item in argv:
-        if skip:
-            skip = False
-        elif item == "--nproc":
-            skip = True
-        elif not item.startswith("--nproc="):
-            out.append(item)
-    return out
-
-
 def launch(argv, nproc: int) -> int:
     """Re-run this tool as `nproc` ranks under torchrun on this machine."""
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nproc), os.path.abspath(__file__), *_strip_nproc(argv)]
-    return subprocess.call(command, env=env)
+    from parm_trainer.launch import relaunch
+
+    return relaunch(__file__, argv, nproc)
 
 
 # --- the worker ----------------------------------------------------------------------------

@@ -35,7 +35,8 @@ from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from parm_trainer.moe.cost_model import LayerShape, Profile, plan_cost  # noqa: E402
+from parm_trainer.moe.cost_model import (  # noqa: E402
+    LayerShape, Profile, plan_cost, price_schedules)
 from parm_trainer.moe.schedules import build_plan  # noqa: E402
 
 CLUSTERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "clusters")
@@ -109,18 +110,6 @@ def grid(args):
                 sequence_parallel=args.sequence_parallel, chunks=args.chunks)
 
 
-def price(shape, profile):
-    """{schedule: seconds, or None where the layout cannot run it}."""
-    out = {}
-    for name in SCHEDULES:
-        try:
-            out[name] = plan_cost(build_plan(name, shape.sequence_parallel), shape,
-                                  profile)["total_s"]
-        except ValueError:
-            out[name] = None
-    return out
-
-
 def s2_as_specified(shape, profile):
     """S2 with padded capacity and the backward MP AllGather (of split_capacity) hidden behind
     the backward pair: priced max(pair, gather) rather than the sum (an optimistic bound)."""
@@ -134,7 +123,7 @@ def s2_as_specified(shape, profile):
 def simulate(args, profile):
     rows = []
     for extra, shape in grid(args):
-        seconds = price(shape, profile)
+        seconds = price_schedules(shape, profile, SCHEDULES)
         runnable = {n: t for n, t in seconds.items() if n != "baseline" and t is not None}
         auto = min(runnable, key=runnable.get) if runnable else None
         base = seconds["baseline"]

@@ -65,6 +65,11 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
     )
 
 
+def num_moe_layers(args) -> int:
+    """Layers i with i % --moe-layer-freq == 0 are MoE (megatron's integer frequency)."""
+    return len(range(0, args.num_layers, args.moe_layer_freq)) if args.num_experts else 0
+
+
 def padded_vocab_size(vocab_size: int, tensor_parallel_size: int, multiple: int = 128) -> int:
     """Round the vocabulary up to a multiple of lcm(128, TP): divisible by every usual TP size,
     so the same model (and the same losses) result for TP 1, 2, 4 and 8. Megatron-LM pads to

@@ -339,16 +339,23 @@ def plan_cost(plan: Plan, shape: LayerShape, profile: Profile) -> dict:
             "total_s": total_f + total_b, "bytes": sent}
 
 
-def choose_schedule(shape: LayerShape, profile: Profile, candidates=("s1", "s2")) -> tuple:
-    """(cheapest candidate by forward + backward, {candidate: predicted seconds}); a candidate
-    the layout cannot run is priced inf. Raises ValueError when none can run."""
+def price_schedules(shape: LayerShape, profile: Profile, names) -> dict:
+    """{schedule: predicted forward + backward seconds, or None where the layout cannot run it}."""
     totals = {}
-    for name in candidates:
+    for name in names:
         try:
             totals[name] = plan_cost(build_plan(name, shape.sequence_parallel), shape,
                                      profile)["total_s"]
         except ValueError:
-            totals[name] = math.inf
+            totals[name] = None
+    return totals
+
+
+def choose_schedule(shape: LayerShape, profile: Profile, candidates=("s1", "s2")) -> tuple:
+    """(cheapest candidate by forward + backward, {candidate: predicted seconds}); a candidate
+    the layout cannot run is priced inf. Raises ValueError when none can run."""
+    totals = {name: math.inf if seconds is None else seconds
+              for name, seconds in price_schedules(shape, profile, candidates).items()}
     best = min(totals, key=totals.get)
     if math.isinf(totals[best]):
         raise ValueError(f"no schedule among {candidates} can run {shape}")

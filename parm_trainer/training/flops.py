@@ -11,6 +11,8 @@ Causal masking is not discounted, matching Megatron-LM's reporting.
 
 from __future__ import annotations
 
+from parm_trainer.models.config import num_moe_layers
+
 
 def flops_per_iteration(args, vocab_size: int | None = None) -> float:
     h, s, L = args.hidden_size, args.seq_length, args.num_layers
@@ -18,7 +20,7 @@ def flops_per_iteration(args, vocab_size: int | None = None) -> float:
     gated = 3 if args.swiglu else 2
     per_layer_common = 2 * 4 * h * h + 4 * s * h
     dense_mlp = 2 * gated * h * args.ffn_hidden_size
-    moe_layers = len(range(0, L, args.moe_layer_freq)) if args.num_experts else 0
+    moe_layers = num_moe_layers(args)
     moe_mlp = 2 * h * (args.num_experts or 0) + 2 * args.moe_router_topk * gated * h * (
         args.moe_ffn_hidden_size or 0)
     forward_per_token = (L * per_layer_common + moe_layers * moe_mlp

@@ -32,23 +32,13 @@ def _check_inputs(args) -> None:
         raise InputError("--tokenizer-model is required")
     if not os.path.isfile(args.tokenizer_model):
         raise InputError(f"--tokenizer-model {args.tokenizer_model}: no such file")
-    from parm_trainer.data.gpt_datasets import check_indexed_dataset
+    from parm_trainer.data.gpt_datasets import check_indexed_dataset, parse_data_path
 
-    for prefix in (p for p in args.data_path if not _is_number(p)):
-        for suffix in (".idx", ".bin"):
-            if not os.path.isfile(prefix + suffix):
-                raise InputError(f"--data-path {prefix}: missing {prefix + suffix}")
-        check_indexed_dataset(prefix)  # a corrupt or truncated index fails here, on every rank
+    prefixes, _ = parse_data_path(args.data_path)
+    for prefix in prefixes:  # missing, corrupt or truncated files fail here, on every rank
+        check_indexed_dataset(prefix)
     if args.load and os.path.exists(args.load) and not os.path.isdir(args.load):
         raise InputError(f"--load {args.load} is not a directory")
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
 
 
 def initialize(argv=None, extra_args_provider=None, check_inputs=_check_inputs):

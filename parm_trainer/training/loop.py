@@ -20,7 +20,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe import moe_utils
 
-from parm_trainer.models.config import transformer_config
+from parm_trainer.models.config import num_moe_layers, transformer_config
 from parm_trainer.training import checkpointing
 from parm_trainer.training.data import cycle, micro_batch_iterator
 from parm_trainer.training.flops import flops_per_iteration
@@ -50,14 +50,14 @@ def _reduce_losses(losses: list, name: str):
     return (total[0] / total[1]).item() if total[1] > 0 else float("nan")
 
 
-def _moe_losses(num_microbatches: int, num_moe_layers: int) -> dict:
+def _moe_losses(num_microbatches: int, moe_layers: int) -> dict:
     """Mean over MoE layers of megatron's tracked router losses (unscaled by their coeffs)."""
     tracker = moe_utils.get_moe_layer_wise_logging_tracker()
     names = [name for name in MOE_LOSS_NAMES if name in tracker]
     if not names:
         return {}
     moe_utils.reduce_aux_losses_tracker_across_ranks(names)
-    out = {name: (tracker[name]["values"].sum() / num_microbatches / num_moe_layers).item()
+    out = {name: (tracker[name]["values"].sum() / num_microbatches / moe_layers).item()
            for name in names}
     moe_utils.clear_aux_losses_tracker()
     return out
@@ -79,8 +79,7 @@ class Trainer:
             self._load()
         self.datasets = datasets_provider(args, self._num_samples())
         self.logger = MetricsLogger(args)
-        self.num_moe_layers = (len(range(0, args.num_layers, args.moe_layer_freq))
-                               if args.num_experts else 0)
+        self.num_moe_layers = num_moe_layers(args)
         self.flops = flops_per_iteration(args)
 
     def _load(self):

@@ -135,11 +135,27 @@ def initialize_distributed(args: argparse.Namespace) -> None:
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         distributed_timeout_minutes=int(max(1, args.distributed_timeout_minutes)),
     )
+    consecutive_subgroup(1)
+    consecutive_subgroup(torch.distributed.get_world_size() // args.pipeline_model_parallel_size)
+
+
+_SUBGROUPS: dict = {}
+
+
+def consecutive_subgroup(size: int):
+    """This rank's group of `size` consecutive ranks (size 1: itself; world / PP: its pipeline
+    stage, PP being megatron's outermost rank dimension). new_subgroups is collective over the
+    world, so initialize_distributed creates the ones the MoE layers use on every rank up front:
+    a stage without MoE layers must not leave the others waiting."""
+    if size not in _SUBGROUPS:
+        _SUBGROUPS[size], _ = torch.distributed.new_subgroups(group_size=size)
+    return _SUBGROUPS[size]
 
 
 def destroy_distributed() -> None:
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+    _SUBGROUPS.clear()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

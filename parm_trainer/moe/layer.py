@@ -21,25 +21,12 @@ from megatron.core.transformer.spec_utils import build_module
 
 from parm_trainer.moe import comm
 from parm_trainer.moe.schedules import build_plan
-
-_STAGE_GROUP = None
-_SINGLETON_GROUP = None
-
+from parm_trainer.parallel import consecutive_subgroup
 
 def _stage_group():
-    """All ranks of this pipeline stage (PP is the outermost rank dimension in megatron)."""
-    global _STAGE_GROUP
-    if _STAGE_GROUP is None:
-        size = torch.distributed.get_world_size() // parallel_state.get_pipeline_model_parallel_world_size()
-        _STAGE_GROUP, _ = torch.distributed.new_subgroups(group_size=size)
-    return _STAGE_GROUP
-
-
-def _singleton_group():
-    global _SINGLETON_GROUP
-    if _SINGLETON_GROUP is None:
-        _SINGLETON_GROUP, _ = torch.distributed.new_subgroups(group_size=1)
-    return _SINGLETON_GROUP
+    """All ranks of this pipeline stage: the dropless capacity is agreed over them."""
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    return consecutive_subgroup(torch.distributed.get_world_size() // stages)
 
 
 @dataclass
@@ -73,7 +60,8 @@ class ParmMoELayer(MegatronModule):
         self.router.set_layer_number(layer_number)
         # Router statistics (aux loss, z-loss) are summed over the ranks that split the tokens;
         # where every MP rank holds all tokens there is nothing to sum.
-        self.router.tp_cp_group = self.groups["mp"] if self.plan.splits_tokens else _singleton_group()
+        self.router.tp_cp_group = (self.groups["mp"] if self.plan.splits_tokens
+                                   else consecutive_subgroup(1))
         # Gate gradients: summed over MP by copy_to when the gate runs on split tokens, already
         # identical otherwise; megatron's sequence-parallel all-reduce would count them twice.
         self.router.weight.sequence_parallel = False

@@ -16,7 +16,6 @@ leaves a dataset that looks complete.
 """
 
 import argparse
-import json
 import multiprocessing
 import os
 import re
@@ -32,6 +31,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
+from parm_trainer.data.jsonl import parse_record  # noqa: E402
 from parm_trainer.data.tokenizer import build_tokenizer  # noqa: E402
 
 # A deliberately simple sentence splitter (no model download): a sentence ends
@@ -79,24 +79,6 @@ class Encoder:
                 sentences[-1] = sentences[-1] + [self.tokenizer.eod]
             encoded[key] = sentences
         return encoded, size
-
-
-def parse_record(path, lineno, line, keys):
-    """Parse one jsonl line and check it has a string under every key."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}:{lineno}: invalid JSON: {err}") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-    for key in keys:
-        if key not in record:
-            raise ValueError(f"{path}:{lineno}: missing JSON key {key!r} "
-                             f"(present: {', '.join(sorted(record)) or 'none'})")
-        if not isinstance(record[key], str):
-            raise ValueError(f"{path}:{lineno}: JSON key {key!r} is "
-                             f"{type(record[key]).__name__}, expected a string")
-    return record
 
 
 # Module-level so that worker processes can reach it.

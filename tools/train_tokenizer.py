@@ -18,7 +18,6 @@ depend on --num-threads.
 """
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -26,27 +25,11 @@ import time
 
 import sentencepiece as spm
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from parm_trainer.data.jsonl import iter_jsonl_texts  # noqa: E402
+
 SPECIAL_IDS = {"pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
 BERT_SYMBOLS = ["[CLS]", "[SEP]", "[MASK]"]  # get ids 4, 5, 6
-
-
-def iter_jsonl_texts(path, keys):
-    """Yield the text under each of keys for every line of a jsonl file."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: invalid JSON: {err}") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object")
-            for key in keys:
-                if not isinstance(record.get(key), str):
-                    raise ValueError(f"{path}:{lineno}: JSON key {key!r} is missing or "
-                                     f"not a string (keys: {', '.join(sorted(record))})")
-                yield record[key]
 
 
 def iter_training_lines(path, keys):

@@ -105,7 +105,9 @@ class Trainer:
             num_microbatches=a.num_microbatches, seq_length=a.seq_length,
             micro_batch_size=a.micro_batch_size, forward_only=forward_only)
 
-    def train_step(self, iterator) -> dict:
+    def train_step(self, iterator, report_moe: bool = True) -> dict:
+        """One iteration. report_moe: reduce the routers' losses over the ranks for the
+        metrics (a few collectives); otherwise they are only cleared."""
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -119,8 +121,10 @@ class Trainer:
         self.scheduler.step(increment=1)
         metrics = {"lm loss": loss, "lr": self.scheduler.get_lr(self.optimizer.param_groups[0]),
                    "grad norm": grad_norm if grad_norm is not None else float("nan")}
-        if self.num_moe_layers:
+        if self.num_moe_layers and report_moe:
             metrics.update(_moe_losses(self.args.num_microbatches, self.num_moe_layers))
+        elif self.num_moe_layers:
+            moe_utils.clear_aux_losses_tracker()
         return metrics
 
     def evaluate(self, iterator) -> dict:
@@ -166,6 +170,9 @@ class Trainer:
         self.last_validation = result
         return result
 
+    def _logs_at(self, iteration: int) -> bool:
+        return iteration % self.args.log_interval == 0 or iteration == self.args.train_iters
+
     def train(self):
         a = self.args
         train_ds, valid_ds, _ = self.datasets
@@ -175,12 +182,15 @@ class Trainer:
         first = self._validate(valid_iterator, "validation (start)") if a.eval_iters else None
         window_start, window_iters = time.perf_counter(), 0
         while self.iteration < a.train_iters:
-            metrics = self.train_step(train_iterator)
+            logs_now = self._logs_at(self.iteration + 1)
+            # every rank takes the same branch: the MoE metrics are reduced collectively
+            metrics = self.train_step(train_iterator,
+                                      report_moe=logs_now or bool(self.logger.json_path))
             self.iteration += 1
             self.consumed += a.global_batch_size
             window_iters += 1
             self.logger.record(self.iteration, metrics)
-            if self.iteration % a.log_interval == 0 or self.iteration == a.train_iters:
+            if logs_now:
                 now = time.perf_counter()
                 self._log(metrics, (now - window_start) / window_iters)
                 window_start, window_iters = now, 0

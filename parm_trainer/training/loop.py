@@ -21,6 +21,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe import moe_utils
 
 from parm_trainer.models.config import num_moe_layers, transformer_config
+from parm_trainer.parallel import destroy_distributed
 from parm_trainer.training import checkpointing
 from parm_trainer.training.data import cycle, micro_batch_iterator
 from parm_trainer.training.flops import flops_per_iteration
@@ -218,3 +219,8 @@ def pretrain(args, model_provider: Callable, datasets_provider: Callable,
     """Set up from the parsed flags (distributed state must be initialised) and train."""
     trainer = Trainer(args, model_provider, datasets_provider, forward_step)
     trainer.train()
+    # Orderly shutdown: a process group left to the interpreter's exit can abort a rank
+    # ("terminate called without an active exception") while gloo's threads are torn down.
+    del trainer
+    torch.distributed.barrier()
+    destroy_distributed()

@@ -37,6 +37,15 @@ def test_impossible_layout(case, flags, needles, gpt_data, tmp_path):
     _assert_clean_failure(run, *needles)
 
 
+def test_malformed_cost_profile(gpt_data, tmp_path):
+    profile = tmp_path / "profile.json"
+    profile.write_text('{"gpus_per_node": 4, "collectives": {}, "compute": {}}')
+    run = launch(4, tiny_gpt_args(gpt_data, **{"moe-parm-schedule": "auto",
+                                               "moe-parm-cost-profile": profile}),
+                 tmp_path, timeout=120)
+    _assert_clean_failure(run, str(profile), "collectives must have exactly the kinds")
+
+
 def test_missing_data_path(gpt_data, tmp_path):
     run = launch(4, tiny_gpt_args(gpt_data, **{"data-path": tmp_path / "nowhere"}), tmp_path,
                  timeout=120)

@@ -27,7 +27,8 @@ def test_two_rank_calibration_writes_loadable_profile(tmp_path):
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
 
     profile = Profile.from_json(str(out))
-    assert profile.gpus_per_node == 2
+    assert profile.gpus_per_node == 2 and profile.world_size == 2
+    assert profile.compute[0] > 0 and profile.compute[1] > 0
     for kind in KINDS:
         for link in LINKS:
             alpha, beta = profile.collectives[kind][link]
@@ -41,3 +42,5 @@ def test_two_rank_calibration_writes_loadable_profile(tmp_path):
         assert intra["measured"] and not inter["measured"]
         assert intra["group_size"] == 2 and len(intra["points"]) == 3
         assert f"{kind:<14}intra" in result.stdout  # the table row
+    gemm = data["fit"]["compute"]
+    assert len(gemm["points"]) >= 4 and gemm["r2"] <= 1.0 and "gemm" in result.stdout

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from parm_trainer.moe.cost_model import (DEFAULT_PROFILE, KINDS, LayerShape, Profile,
-                                         choose_schedule, crosses_nodes, fit_alpha_beta,
+                                         ProfileError, choose_schedule, crosses_nodes, fit_alpha_beta,
                                          pipelined_s, plan_cost, walk)
 from parm_trainer.moe.schedules import build_plan
 
@@ -221,8 +221,6 @@ def test_profile_json_round_trip(tmp_path):
     path = tmp_path / "profile.json"
     DEFAULT_PROFILE.to_json(str(path))
     assert Profile.from_json(str(path)) == DEFAULT_PROFILE
-    with pytest.raises(ValueError, match="lacks"):
-        Profile.from_json(json.dumps({"gpus_per_node": 8, "collectives": {}, "compute": {}}))
     # the shipped A100 cluster file holds DEFAULT_PROFILE's numbers in readable units
     a100 = Profile.from_json(str(ROOT / "tools/clusters/a100-nvlink-8x.json"))
     assert a100.gpus_per_node == DEFAULT_PROFILE.gpus_per_node
@@ -232,6 +230,61 @@ def test_profile_json_round_trip(tmp_path):
                 DEFAULT_PROFILE.collectives[kind][link])
     assert a100.compute == pytest.approx(DEFAULT_PROFILE.compute)
     assert Profile.from_json(str(ROOT / "tools/clusters/pcie-4x.json")).gpus_per_node == 4
+
+
+def _broken(edit):
+    data = json.loads(DEFAULT_PROFILE.to_json())
+    edit(data)
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda d: d.pop("compute"), "missing keys ['compute']"),
+    (lambda d: d.update(gpus=8), "unknown keys ['gpus']"),
+    (lambda d: d.update(gpus_per_node=0), "gpus_per_node must be a positive integer"),
+    (lambda d: d["collectives"].pop("allreduce"), "collectives must have exactly the kinds"),
+    (lambda d: d["collectives"]["alltoall"].pop("inter"), "collectives.alltoall must have"),
+    (lambda d: d["collectives"]["alltoall"]["intra"].update(alpha=-1e-6),
+     "collectives.alltoall.intra: alpha must be >= 0 and beta > 0"),
+    (lambda d: d["collectives"]["allgather"].update(inter={"alpha_us": 5, "GBps": 0}),
+     "collectives.allgather.inter: GBps must be positive"),
+    (lambda d: d["compute"].update(beta="fast"), "compute: values must be numbers"),
+    (lambda d: d["compute"].update(alpha=float("nan")), "compute: values must be finite"),
+    (lambda d: d["compute"].update(gbps=3), "compute: expected"),
+    (lambda d: d.update(world_size=-4), "world_size must be a positive integer"),
+])
+def test_malformed_profile_is_refused(edit, message):
+    with pytest.raises(ProfileError) as error:
+        Profile.from_json(_broken(edit))
+    assert message in str(error.value)
+
+
+def test_profile_file_errors_name_the_file(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text("{not json")
+    with pytest.raises(ProfileError, match=f"cost profile {path}: not valid JSON"):
+        Profile.from_json(str(path))
+    with pytest.raises(ProfileError, match="cannot read"):
+        Profile.from_json(str(tmp_path / "missing.json"))
+
+
+def test_profile_of_another_world_size_is_refused(tmp_path):
+    from parm_trainer.arguments import parse_args
+    from parm_trainer.moe.auto import resolve_auto_schedule
+
+    path = tmp_path / "calibrated.json"
+    replace(DEFAULT_PROFILE, world_size=4).to_json(str(path))
+    argv = ["--num-experts", "4", "--moe-parm-schedule", "auto", "--tensor-model-parallel-size",
+            "2", "--moe-parm-cost-profile", str(path)]
+    said = []
+    args = parse_args(argv, world_size=4)
+    resolve_auto_schedule(args, log=said.append)  # the world it was measured on: used
+    assert args.moe_parm_schedule in ("s1", "s2") and str(path) in said[0]
+    with pytest.raises(ProfileError, match="measured on 4 ranks, this job has 8"):
+        resolve_auto_schedule(parse_args(argv, world_size=8), log=said.append)
+    # a fixed schedule does not use the profile, but a bad one is still refused
+    with pytest.raises(ProfileError, match="measured on 4 ranks"):
+        resolve_auto_schedule(parse_args([*argv, "--moe-parm-schedule", "s1"], world_size=2))
 
 
 def test_simulate_cluster_small_grid(tmp_path, capsys):

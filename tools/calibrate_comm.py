@@ -18,7 +18,9 @@ class with no measurement of its own gets the other's values, and the JSON "desc
 
 Sizes (--sizes, bytes of the tensor each rank passes in, float32; default 7 sizes from 256 KiB to
 16 MiB, large enough that the bandwidth term stands out of scheduling noise; on 4 gloo ranks on 2
-cores smaller messages all take ~1-5 ms whatever their size and fit with r^2 < 0.5): the input B of AlltoAll / ReduceScatter / AllReduce and the local piece of AllGather.
+cores smaller messages all take ~1-5 ms whatever their size and fit with r^2 < 0.5): the input B of AlltoAll / ReduceScatter / AllReduce and the output of AllGather (whose local
+piece is B/W). Each timed sample is --calls back-to-back calls (their mean), which averages out
+the scheduling jitter of a single call on an oversubscribed CPU.
 For each kind and size: --warmup untimed calls, then --repeats timed calls, each after a barrier
 on the group; a call's time is the maximum over the group's ranks (all_reduce MAX), and a size's
 time is the median over the repeats. alpha and beta are fitted by least squares
@@ -31,7 +33,10 @@ The JSON's extra "fit" key holds, per kind and link, alpha_us, GBps, r2, the gro
 it was measured or copied, and the (sent bytes, seconds) points; from_json ignores it.
 
 A fit with r^2 < 0.95 is warned about, or, with --require-r2, ends the run with exit status 1.
-The "compute" entry is DEFAULT_PROFILE's (not measured here).
+Compute: GEMMs of expert-like shapes (GEMM_SHAPES), run on every rank at once (ranks share the
+node's cores or the GPU's clock budget as they do in a layer), fitted the same way against their
+FLOPs into the "compute" entry (alpha s, beta s/FLOP) and printed as the "gemm" row. The profile
+records the world size it was measured on; --moe-parm-cost-profile refuses it for another.
 """
 
 from __future__ import annotations
@@ -50,8 +55,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from parm_trainer.moe.cost_model import (DEFAULT_PROFILE, KINDS, LINKS, Profile,  # noqa: E402
-                                         fit_alpha_beta, sent_bytes)
+from parm_trainer.moe.cost_model import (KINDS, LINKS, Profile, fit_alpha_beta,  # noqa: E402
+                                         sent_bytes)
 
 R2_MIN = 0.95
 ALPHA_FLOOR = 1e-9   # s
@@ -65,8 +70,10 @@ def parse(argv):
                    help="start this many ranks on this machine under torch.distributed.run")
     p.add_argument("--sizes", type=str, default=None,
                    help="comma-separated bytes per rank (default: 7 sizes, 256 KiB to 16 MiB)")
-    p.add_argument("--repeats", type=int, default=5, help="timed calls per size (median)")
+    p.add_argument("--repeats", type=int, default=7, help="timed calls per size (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per size first")
+    p.add_argument("--calls", type=int, default=4,
+                   help="back-to-back calls per timed sample (its time is their mean)")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="ranks per node (default: LOCAL_WORLD_SIZE, i.e. this node's ranks)")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
@@ -125,14 +132,17 @@ def _op(kind, x, group, world):
     raise ValueError(kind)
 
 
-def measure(group, sizes, repeats, warmup, device):
+def measure(group, sizes, repeats, warmup, device, calls=1):
     """{kind: [(sent bytes, median seconds)]} on `group` (every rank of it calls this)."""
     world = dist.get_world_size(group)
     out = {}
     for kind in KINDS:
         points = []
         for size in sizes:
-            x = torch.ones(_numel(size, world), dtype=torch.float32, device=device)
+            # AllGather takes the local piece of a `size`-byte output, so that every kind moves
+            # tensors of the same sizes
+            numel = _numel(size, world) // (world if kind == "allgather" else 1)
+            x = torch.ones(numel, dtype=torch.float32, device=device)
             call = _op(kind, x, group, world)
             for _ in range(warmup):
                 call()
@@ -142,14 +152,42 @@ def measure(group, sizes, repeats, warmup, device):
                 dist.barrier(group=group)
                 _sync(device)
                 t0 = time.perf_counter()
-                call()
+                for _ in range(calls):
+                    call()
                 _sync(device)
-                times[i] = time.perf_counter() - t0
+                times[i] = (time.perf_counter() - t0) / calls
             dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
             seconds = statistics.median(times.cpu().tolist())
             points.append((sent_bytes(kind, x.nbytes, world), seconds))
         out[kind] = points
     return out
+
+
+# Expert-like GEMMs (rows x M) @ (M x H), forward only; FLOPs = 2 * rows * M * H.
+GEMM_SHAPES = [(rows, m, h) for rows in (256, 1024, 4096) for m, h in ((64, 128), (256, 512))]
+
+
+def measure_compute(repeats, warmup, device, calls):
+    """[(flops, median seconds)] of GEMMs run on every rank at once (ranks share this node's
+    cores, as they do in a layer), a sample's time being the slowest rank's."""
+    points = []
+    for rows, m, h in GEMM_SHAPES:
+        a = torch.randn(rows, m, device=device)
+        b = torch.randn(m, h, device=device)
+        for _ in range(warmup):
+            a @ b
+        times = torch.zeros(repeats, dtype=torch.float64, device=device)
+        for i in range(repeats):
+            dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                a @ b
+            _sync(device)
+            times[i] = (time.perf_counter() - t0) / calls
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        points.append((2.0 * rows * m * h, statistics.median(times.cpu().tolist())))
+    return points
 
 
 def fit(points):
@@ -199,12 +237,12 @@ def worker(args) -> int:
     measured = {}  # link -> (group size, {kind: points})
     world_link = "inter" if per_node < world else "intra"
     measured[world_link] = (world, measure(dist.group.WORLD, args.sizes, args.repeats,
-                                           args.warmup, device))
+                                           args.warmup, device, args.calls))
     if per_node < world and per_node >= 2:
         nodes = [list(range(s, min(s + per_node, world))) for s in range(0, world, per_node)]
         mine, _ = dist.new_subgroups_by_enumeration(nodes)
         size = dist.get_world_size(mine)
-        points = measure(mine, args.sizes, args.repeats, args.warmup, device)
+        points = measure(mine, args.sizes, args.repeats, args.warmup, device, args.calls)
         # Nodes measured at once: take each point's slowest node (max over the world).
         flat = torch.tensor([[s for _, s in points[k]] for k in KINDS], dtype=torch.float64,
                             device=device)
@@ -213,22 +251,24 @@ def worker(args) -> int:
                   for i, k in enumerate(KINDS)}
         measured["intra"] = (size, points)
 
+    compute = measure_compute(args.repeats, args.warmup, device, args.calls)
     status = 0
     if rank == 0:
-        status = report(args, backend, world, per_node, hosts, measured)
+        status = report(args, backend, world, per_node, hosts, measured, compute)
     dist.barrier()
     dist.destroy_process_group()
     return status
 
 
-def report(args, backend, world, per_node, hosts, measured) -> int:
+def report(args, backend, world, per_node, hosts, measured, compute) -> int:
     fits = {link: {k: fit(points) for k, points in pts.items()}
             for link, (_, pts) in measured.items()}
     notes = [f"measured by tools/calibrate_comm.py: {backend}, world {world}, "
              f"{per_node} ranks per node" + (f" ({hosts} host(s) by LOCAL_WORLD_SIZE)"
                                              if hosts else ""),
              f"sizes {args.sizes} bytes per rank, median of {args.repeats} after "
-             f"{args.warmup} warm-up; compute entry is {DEFAULT_PROFILE.name}'s (not measured)"]
+             f"{args.warmup} warm-up; compute fitted on {len(compute)} GEMM shapes run on "
+             "every rank at once"]
     for link in LINKS:
         if link not in fits:
             other = "intra" if link == "inter" else "inter"
@@ -249,10 +289,13 @@ def report(args, backend, world, per_node, hosts, measured) -> int:
                                  "clamped": clamped, "measured": src == link,
                                  "group_size": measured[src][0],
                                  "points": [[b, s] for b, s in measured[src][1][kind]]}
+    c_alpha, c_beta, c_r2, c_clamped = fit(compute)
     profile = Profile(gpus_per_node=per_node, collectives=collectives,
-                      compute=DEFAULT_PROFILE.compute, name=args.name,
-                      description="; ".join(notes))
+                      compute=(c_alpha, c_beta), name=args.name,
+                      description="; ".join(notes), world_size=world)
     data = json.loads(profile.to_json())
+    extra["compute"] = {"alpha_us": c_alpha * 1e6, "TFLOPs": 1.0 / c_beta / 1e12, "r2": c_r2,
+                        "clamped": c_clamped, "points": [[f, t] for f, t in compute]}
     data["fit"] = extra
     out_dir = os.path.dirname(os.path.abspath(args.output))
     os.makedirs(out_dir, exist_ok=True)
@@ -270,6 +313,11 @@ def report(args, backend, world, per_node, hosts, measured) -> int:
                   f"{1.0 / beta / 1e9:>12.4g}{r2:>8.3f}{flag}")
             if r2 < R2_MIN:
                 bad.append(f"{kind}/{link} r^2={r2:.3f}")
+    flag = " clamped" if c_clamped else ""
+    print(f"{'gemm':<14}{'-':<7}{world:>6}{c_alpha * 1e6:>12.2f}{1.0 / c_beta / 1e12:>12.4g}"
+          f"{c_r2:>8.3f}{flag}   (TFLOP/s, not GB/s)")
+    if c_r2 < R2_MIN:
+        bad.append(f"gemm r^2={c_r2:.3f}")
     for note in notes[2:]:
         print(f"note: {note}")
     print(f"wrote {args.output}")

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 
-from parm_trainer.moe.cost_model import DEFAULT_PROFILE, LayerShape, Profile, choose_schedule
+from parm_trainer.moe.cost_model import (DEFAULT_PROFILE, LayerShape, Profile, ProfileError,
+                                         choose_schedule)
 
 
 def layer_shape(args) -> LayerShape:
@@ -23,14 +24,28 @@ def layer_shape(args) -> LayerShape:
         chunks=args.moe_parm_chunks)
 
 
+def load_profile(args) -> Profile:
+    """--moe-parm-cost-profile, checked against this job (ProfileError), or the default."""
+    path = args.moe_parm_cost_profile
+    if not path:
+        return DEFAULT_PROFILE
+    if not os.path.isfile(path):
+        raise ProfileError(f"--moe-parm-cost-profile {path}: no such file")
+    profile = Profile.from_json(path)
+    if profile.world_size is not None and profile.world_size != args.world_size:
+        raise ProfileError(f"--moe-parm-cost-profile {path} was measured on {profile.world_size}"
+                           f" ranks, this job has {args.world_size}: calibrate on this layout "
+                           "(tools/calibrate_comm.py)")
+    return profile
+
+
 def resolve_auto_schedule(args, log=print) -> None:
-    """Replace args.moe_parm_schedule "auto" by the cheaper of s1 and s2, and say why."""
+    """Replace args.moe_parm_schedule "auto" by the cheaper of s1 and s2, and say why.
+    A given profile is checked whatever the schedule, so a bad one never goes unnoticed."""
+    profile = load_profile(args)
     if args.moe_parm_schedule != "auto" or not args.num_experts:
         return
     path = args.moe_parm_cost_profile
-    if path and not os.path.isfile(path):
-        raise FileNotFoundError(f"--moe-parm-cost-profile {path}: no such file")
-    profile = Profile.from_json(path) if path else DEFAULT_PROFILE
     source = path or f"the built-in default profile ({profile.description})"
     chosen, predicted = choose_schedule(layer_shape(args), profile)
     times = ", ".join(f"{name} {seconds * 1e3:.3f} ms" for name, seconds in predicted.items())

@@ -100,15 +100,21 @@ def crosses_nodes(size: int, stride: int, gpus_per_node: int) -> bool:
     return False
 
 
+class ProfileError(ValueError):
+    """A cost profile that cannot be used; the message names the file and the bad entry."""
+
+
 @dataclass
 class Profile:
     """alpha (s) and beta (s/byte) per collective kind and link class; GEMM alpha (s) and
-    beta (s/FLOP); GPUs per node (placing groups intra- or inter-node)."""
+    beta (s/FLOP); GPUs per node (placing groups intra- or inter-node); for a calibrated
+    profile, the world size it was measured on."""
     gpus_per_node: int
     collectives: dict  # {kind: {"intra": (alpha, beta), "inter": (alpha, beta)}}
     compute: tuple     # (alpha, beta)
     name: str = "custom"
     description: str = ""
+    world_size: Optional[int] = None
 
     def link(self, shape: LayerShape, group: str) -> str:
         size, stride = shape.group(group)
@@ -125,6 +131,8 @@ class Profile:
                 "collectives": {k: {link: {"alpha": a, "beta": b} for link, (a, b) in v.items()}
                                 for k, v in self.collectives.items()},
                 "compute": {"alpha": self.compute[0], "beta": self.compute[1]}}
+        if self.world_size is not None:
+            data["world_size"] = self.world_size
         text = json.dumps(data, indent=2)
         if path:
             with open(path, "w") as f:
@@ -135,26 +143,82 @@ class Profile:
     def from_json(cls, source: str) -> "Profile":
         """From JSON text or a file path. Each (alpha, beta) entry is either {"alpha": s,
         "beta": s/byte} or, for hand-written cluster files, {"alpha_us": us, "GBps": GB/s}
-        (compute: {"alpha_us", "TFLOPs"}). Keys other than these are ignored (notes)."""
-        if not source.lstrip().startswith("{") and os.path.exists(source):
-            with open(source) as f:
-                source = f.read()
-        data = json.loads(source)
-        missing = [(k, link) for k in KINDS for link in LINKS
-                   if link not in data["collectives"].get(k, {})]
-        if missing:
-            raise ValueError(f"cost profile lacks alpha/beta for {missing}")
-        return cls(gpus_per_node=int(data["gpus_per_node"]),
-                   collectives={k: {link: _pair(data["collectives"][k][link], "GBps", 1e9)
-                                    for link in LINKS} for k in KINDS},
-                   compute=_pair(data["compute"], "TFLOPs", 1e12),
-                   name=data.get("name", "custom"), description=data.get("description", ""))
+        (compute: {"alpha_us", "TFLOPs"}). Top-level keys: gpus_per_node, collectives, compute
+        (required); name, description, world_size, notes, fit (optional). Anything else, a
+        missing entry, or a negative, zero-rate or non-finite number raises ProfileError."""
+        where = "cost profile"
+        if not source.lstrip().startswith("{"):
+            where = f"cost profile {source}"
+            try:
+                with open(source) as f:
+                    source = f.read()
+            except OSError as error:
+                raise ProfileError(f"{where}: cannot read ({error.strerror})") from None
+        try:
+            data = json.loads(source)
+        except json.JSONDecodeError as error:
+            raise ProfileError(f"{where}: not valid JSON ({error})") from None
+        return _profile_from_dict(data, where)
 
 
-def _pair(entry: dict, rate_key: str, unit: float) -> tuple:
-    if "beta" in entry:
-        return float(entry["alpha"]), float(entry["beta"])
-    return float(entry["alpha_us"]) * 1e-6, 1.0 / (float(entry[rate_key]) * unit)
+_TOP_KEYS = {"gpus_per_node", "collectives", "compute", "name", "description", "world_size",
+             "notes", "fit"}
+
+
+def _profile_from_dict(data, where: str) -> Profile:
+    def bad(what):
+        return ProfileError(f"{where}: {what}")
+
+    if not isinstance(data, dict):
+        raise bad("expected a JSON object")
+    unknown = sorted(set(data) - _TOP_KEYS)
+    missing = sorted({"gpus_per_node", "collectives", "compute"} - set(data))
+    if unknown or missing:
+        raise bad(f"unknown keys {unknown}" if unknown else f"missing keys {missing}")
+    gpus = data["gpus_per_node"]
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+        raise bad(f"gpus_per_node must be a positive integer, got {gpus!r}")
+    world = data.get("world_size")
+    if world is not None and (not isinstance(world, int) or isinstance(world, bool) or world < 1):
+        raise bad(f"world_size must be a positive integer, got {world!r}")
+    colls = data["collectives"]
+    if not isinstance(colls, dict) or sorted(colls) != sorted(KINDS):
+        raise bad(f"collectives must have exactly the kinds {list(KINDS)}, got "
+                  f"{sorted(colls) if isinstance(colls, dict) else colls!r}")
+    collectives = {}
+    for kind in KINDS:
+        links = colls[kind]
+        if not isinstance(links, dict) or sorted(links) != sorted(LINKS):
+            raise bad(f"collectives.{kind} must have exactly {list(LINKS)}")
+        collectives[kind] = {link: _pair(links[link], "GBps", 1e9, f"{where}: collectives."
+                                         f"{kind}.{link}") for link in LINKS}
+    return Profile(gpus_per_node=gpus, collectives=collectives,
+                   compute=_pair(data["compute"], "TFLOPs", 1e12, f"{where}: compute"),
+                   name=str(data.get("name", "custom")),
+                   description=str(data.get("description", "")), world_size=world)
+
+
+def _pair(entry, rate_key: str, unit: float, where: str) -> tuple:
+    """(alpha s, beta s/unit) from {"alpha", "beta"} or {"alpha_us", rate_key}."""
+    forms = ({"alpha", "beta"}, {"alpha_us", rate_key})
+    if not isinstance(entry, dict) or set(entry) not in forms:
+        raise ProfileError(f"{where}: expected {{'alpha', 'beta'}} or {{'alpha_us', "
+                           f"'{rate_key}'}}, got {entry!r}")
+    try:
+        values = {k: float(v) for k, v in entry.items()}
+    except (TypeError, ValueError):
+        raise ProfileError(f"{where}: values must be numbers, got {entry!r}") from None
+    if not all(math.isfinite(v) for v in values.values()):
+        raise ProfileError(f"{where}: values must be finite, got {entry!r}")
+    if "beta" in values:
+        alpha, beta = values["alpha"], values["beta"]
+    else:
+        if values[rate_key] <= 0:
+            raise ProfileError(f"{where}: {rate_key} must be positive, got {entry!r}")
+        alpha, beta = values["alpha_us"] * 1e-6, 1.0 / (values[rate_key] * unit)
+    if alpha < 0 or beta <= 0:
+        raise ProfileError(f"{where}: alpha must be >= 0 and beta > 0, got {entry!r}")
+    return alpha, beta
 
 
 def _rates(ring: dict, alltoall: dict) -> dict:

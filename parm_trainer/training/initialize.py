@@ -17,6 +17,7 @@ import torch
 from parm_trainer.arguments import ArgumentsError, parse_args
 from parm_trainer.compat import cpu
 from parm_trainer.moe.auto import resolve_auto_schedule
+from parm_trainer.moe.cost_model import ProfileError
 from parm_trainer.parallel import LayoutError, initialize_distributed, validate_layout
 
 
@@ -72,6 +73,7 @@ def user_errors(*extra_types):
     from parm_trainer.training.loop import NonFiniteLossError
 
     known = (ArgumentsError, LayoutError, InputError, CheckpointError, DataError, NonFiniteLossError,
+             ProfileError,
              FileNotFoundError,
              *extra_types)
     try:

@@ -152,6 +152,22 @@ def consecutive_subgroup(size: int):
     return _SUBGROUPS[size]
 
 
+def reset_model_parallel() -> None:
+    """Forget megatron's groups and the subgroups above AND destroy their process groups, so a
+    process can switch layouts (the benchmarks): megatron's destroy_model_parallel only drops
+    its references, and every gloo group left behind keeps its threads and sockets, which
+    slows everything after it down."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    _SUBGROUPS.clear()
+    if torch.distributed.is_initialized():
+        world = torch.distributed.group.WORLD
+        for group in list(torch.distributed.distributed_c10d._world.pg_map):
+            if group is not world:
+                torch.distributed.destroy_process_group(group)
+
+
 def destroy_distributed() -> None:
     from megatron.core import parallel_state
 

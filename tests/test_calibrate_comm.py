@@ -43,4 +43,5 @@ def test_two_rank_calibration_writes_loadable_profile(tmp_path):
         assert intra["group_size"] == 2 and len(intra["points"]) == 3
         assert f"{kind:<14}intra" in result.stdout  # the table row
     gemm = data["fit"]["compute"]
-    assert len(gemm["points"]) >= 4 and gemm["r2"] <= 1.0 and "gemm" in result.stdout
+    assert len(gemm["points"]) >= 4 and gemm["r2"] <= 1.0 and "compute" in result.stdout
+    assert profile.memory[0] >= 0 and profile.memory[1] > 0 and data["fit"]["memory"]["points"]

@@ -56,12 +56,13 @@ def test_s1_bytes():
     # AlltoAll 32768/2 = 16384; ESP AllGather of the 32768 B piece sends 32768 * (2-1);
     # ReduceScatter of (E, 64, M) = 65536 B sends 65536/2 = 32768; MP AllGather of the
     # (64, 64) fp32 output piece sends 16384; the split gate's weight gradient (E x M fp32 =
-    # 1024 B) is all-reduced over MP in the backward: 2 * 1024 / 2 = 1024.
+    # 1024 B) is all-reduced over MP in the backward: 2 * 1024 / 2 = 1024, and in the forward
+    # megatron's router all-reduces the 4 int64 token counts for the aux loss: 2 * 32 / 2 = 32.
     pair_up = {"alltoall/ep": 16384, "allgather/esp": 32768}
     pair_down = {"reducescatter/esp": 32768, "alltoall/ep": 16384}
     assert step_bytes("s1") == [
         ("split_tokens[mp]", {}, {"allgather/mp": 16384}),
-        ("gate[mp]", {}, {"allreduce/mp": 1024}),
+        ("gate[mp]", {"allreduce/mp": 32}, {"allreduce/mp": 1024}),
         ("dispatch", {}, {}),
         ("a2a+allgather[ep,esp]", pair_up, pair_down),
         ("expert", {}, {}),
@@ -184,21 +185,23 @@ def test_choose_schedule_follows_the_mp_gather_bytes():
     dispatched (E, C, M) = k*f*N*M. Zero alphas and compute: seconds = bytes * beta."""
     prof = profile(intra_beta=1e-9, inter_beta=1e-8)
     # top-2, f = 1 (SHAPE): AlltoAll 4 x 16384 B inter in both = 655.36 us.
-    # s1 intra: forward 32768 + 32768 + 16384, backward the same + 1024 (gate weight)
-    #   = 164864 B = 164.864 us; s2 intra: 3 x 32768 each way = 196608 B = 196.608 us.
+    # s1 intra: forward 32768 + 32768 + 16384 + 32 (router counts), backward the same
+    #   + 1024 (gate weight) = 164896 B = 164.896 us; s2 intra: 3 x 32768 each way
+    #   = 196608 B = 196.608 us.
     name, totals = choose_schedule(SHAPE, prof, ("baseline", "s1", "s2"))
     assert name == "s1"
-    assert totals["s1"] == pytest.approx(655.36e-6 + 164.864e-6)
+    assert totals["s1"] == pytest.approx(655.36e-6 + 164.896e-6)
     assert totals["s2"] == pytest.approx(655.36e-6 + 196.608e-6)
     # baseline: AlltoAll 4 x 32768 inter = 1310.72 us, AllReduce 2 x 65536 intra = 131.072 us
     assert totals["baseline"] == pytest.approx(1310.72e-6 + 131.072e-6)
     # top-1, f = 0.5: s2's C = 16 -> 8 per MP rank, s1's C = ceil(64 / 4 * 0.5) = 8, so the
     # pairs match (AlltoAll 4 x 4096 B = 163.84 us); MP gathers: s1 16384 B each way (+1024),
-    # s2 (E, 8, M) = 8192 B each way. s1 intra 66560 B, s2 intra 49152 B.
+    # s2 (E, 8, M) = 8192 B each way. s1 intra 66592 B (with the 32 B of router counts),
+    # s2 intra 49152 B.
     sparse = replace(SHAPE, topk=1, capacity_factor=0.5)
     name, totals = choose_schedule(sparse, prof)
     assert name == "s2"
-    assert totals["s1"] == pytest.approx(163.84e-6 + 66.56e-6)
+    assert totals["s1"] == pytest.approx(163.84e-6 + 66.592e-6)
     assert totals["s2"] == pytest.approx(163.84e-6 + 49.152e-6)
 
 

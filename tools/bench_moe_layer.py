@@ -199,12 +199,12 @@ def set_layout(args) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from parm_trainer.parallel import initialize_distributed
+    from parm_trainer.parallel import initialize_distributed, reset_model_parallel
 
     key = _layout_key(args)
     if _CURRENT_LAYOUT[0] != key:
         if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
+            reset_model_parallel()
         initialize_distributed(args)
         _CURRENT_LAYOUT[0] = key
     torch.manual_seed(args.seed)

@@ -33,9 +33,10 @@ The JSON's extra "fit" key holds, per kind and link, alpha_us, GBps, r2, the gro
 it was measured or copied, and the (sent bytes, seconds) points; from_json ignores it.
 
 A fit with r^2 < 0.95 is warned about, or, with --require-r2, ends the run with exit status 1.
-Compute: GEMMs of expert-like shapes (GEMM_SHAPES), run on every rank at once (ranks share the
-node's cores or the GPU's clock budget as they do in a layer), fitted the same way against their
-FLOPs into the "compute" entry (alpha s, beta s/FLOP) and printed as the "gemm" row. The profile
+Compute and memory: GEMMs of expert-like shapes (GEMM_SHAPES) and row permutations and GELUs
+(MEMORY_SHAPES), run on every rank at once (ranks share the node's cores, as they do in a
+layer), fitted the same way against their FLOPs into the "compute" entry (alpha s, beta s/FLOP)
+and against the bytes they read and write into the "memory" entry (alpha s, beta s/byte). The profile
 records the world size it was measured on; --moe-parm-cost-profile refuses it for another.
 """
 
@@ -76,6 +77,9 @@ def parse(argv):
                    help="back-to-back calls per timed sample (its time is their mean)")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="ranks per node (default: LOCAL_WORLD_SIZE, i.e. this node's ranks)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="measure groups of this many ranks, all at once, as a layout's MP, EP "
+                        "and ESP groups place them (default: the world, and each node)")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                    help="auto: nccl when CUDA is available, else gloo")
     p.add_argument("--output", type=str, required=True, help="profile JSON to write")
@@ -84,6 +88,8 @@ def parse(argv):
                    help=f"exit 1 if any fit has r^2 < {R2_MIN} (default: warn)")
     p.add_argument("--timeout-minutes", type=float, default=10.0)
     args = p.parse_args(argv)
+    if args.group_size is not None and args.group_size < 2:
+        p.error("--group-size must be at least 2")
     if args.repeats < 1 or args.warmup < 0:
         p.error("--repeats must be >= 1 and --warmup >= 0")
     if args.sizes:
@@ -116,6 +122,13 @@ def _numel(nbytes: int, world: int) -> int:
     return max(world, (nbytes // 4) // world * world)
 
 
+def _tensor_bytes(kind: str, size: int, world: int) -> int:
+    """Bytes of the tensor a rank passes in for a `size`-byte point: AllGather takes the local
+    piece of a `size`-byte output, so that every kind moves tensors of the same sizes."""
+    numel = _numel(size, world) // (world if kind == "allgather" else 1)
+    return numel * 4
+
+
 def _op(kind, x, group, world):
     """A callable issuing one `kind` collective on x (buffers allocated once)."""
     if kind == "alltoall":
@@ -139,10 +152,8 @@ def measure(group, sizes, repeats, warmup, device, calls=1):
     for kind in KINDS:
         points = []
         for size in sizes:
-            # AllGather takes the local piece of a `size`-byte output, so that every kind moves
-            # tensors of the same sizes
-            numel = _numel(size, world) // (world if kind == "allgather" else 1)
-            x = torch.ones(numel, dtype=torch.float32, device=device)
+            x = torch.ones(_tensor_bytes(kind, size, world) // 4, dtype=torch.float32,
+                           device=device)
             call = _op(kind, x, group, world)
             for _ in range(warmup):
                 call()
@@ -165,29 +176,115 @@ def measure(group, sizes, repeats, warmup, device, calls=1):
 
 # Expert-like GEMMs (rows x M) @ (M x H), forward only; FLOPs = 2 * rows * M * H.
 GEMM_SHAPES = [(rows, m, h) for rows in (256, 1024, 4096) for m, h in ((64, 128), (256, 512))]
+# Memory-bound work of the layer (token permutation, activation) on (rows x M) float32 tensors.
+MEMORY_SHAPES = [(rows, m) for rows in (256, 1024, 4096, 16384) for m in (64, 256)]
 
 
-def measure_compute(repeats, warmup, device, calls):
-    """[(flops, median seconds)] of GEMMs run on every rank at once (ranks share this node's
-    cores, as they do in a layer), a sample's time being the slowest rank's."""
-    points = []
+def gemm_cases(device):
+    """[(forward FLOPs, callable)]: an expert MLP as the layer runs it, fc1 -> GELU -> fc2 on
+    (rows, M) forward and backward through autograd. The cost model prices a backward at twice
+    its forward, so each call's time counts as three forwards (measure_local's `passes`)."""
+    cases = []
     for rows, m, h in GEMM_SHAPES:
-        a = torch.randn(rows, m, device=device)
-        b = torch.randn(m, h, device=device)
+        x = torch.randn(rows, m, device=device, requires_grad=True)
+        fc1 = torch.randn(h, m, device=device, requires_grad=True)
+        fc2 = torch.randn(m, h, device=device, requires_grad=True)
+        grad = torch.randn(rows, m, device=device)
+
+        def call(x=x, fc1=fc1, fc2=fc2, grad=grad):
+            out = torch.nn.functional.gelu(x @ fc1.t()) @ fc2.t()
+            out.backward(grad)
+            x.grad = fc1.grad = fc2.grad = None
+        cases.append((2.0 * rows * m * h * 2, call))
+    return cases
+
+
+def memory_cases(device):
+    """[(forward bytes read + written, callable)]: a row permutation as dispatch and combine
+    do (index_select forward, index_add backward through autograd), counted like gemm_cases."""
+    cases = []
+    for rows, m in MEMORY_SHAPES:
+        x = torch.randn(rows, m, device=device, requires_grad=True)
+        perm = torch.randperm(rows, device=device)
+        grad = torch.randn(rows, m, device=device)
+
+        def call(x=x, perm=perm, grad=grad):
+            x.index_select(0, perm).backward(grad)
+            x.grad = None
+        cases.append((2.0 * x.nbytes, call))
+    return cases
+
+
+def measure_local(cases, repeats, warmup, device, calls):
+    """[(amount, median seconds / 3)] of forward + backward work run on every rank at once
+    (ranks share this node's cores, as they do in a layer), a sample's time being the slowest
+    rank's; / 3: the time of one forward when a backward costs two."""
+    points = []
+    for amount, call in cases:
         for _ in range(warmup):
-            a @ b
+            call()
         times = torch.zeros(repeats, dtype=torch.float64, device=device)
         for i in range(repeats):
             dist.barrier()
             _sync(device)
             t0 = time.perf_counter()
             for _ in range(calls):
-                a @ b
+                call()
             _sync(device)
             times[i] = (time.perf_counter() - t0) / calls
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        points.append((2.0 * rows * m * h, statistics.median(times.cpu().tolist())))
+        points.append((amount, statistics.median(times.cpu().tolist()) / 3))
     return points
+
+
+def calibration_groups(world, per_node, group_size=None) -> dict:
+    """{link: [rank lists]} measured at once. Without group_size: the whole world (inter when
+    it spans nodes) and, across nodes, every node's ranks (intra). With it: consecutive blocks
+    of min(group_size, per_node) ranks inside each node (intra), and across nodes sets of
+    min(group_size, nodes) ranks one node apart (inter), as the layout's groups place them."""
+    nodes = world // per_node if world % per_node == 0 else 1
+    if group_size is None:
+        if per_node >= world:
+            return {"intra": [list(range(world))]}
+        out = {"inter": [list(range(world))]}
+        if per_node >= 2:
+            out["intra"] = [list(range(s, min(s + per_node, world)))
+                            for s in range(0, world, per_node)]
+        return out
+    out = {}
+    size = min(group_size, per_node)
+    if size >= 2:
+        out["intra"] = [list(range(s, s + size)) for s in range(0, world - size + 1, size)]
+    across = min(group_size, nodes)
+    if across >= 2:
+        out["inter"] = [[first + j * per_node for j in range(across)]
+                        for block in range(0, nodes, across)
+                        for first in range(block * per_node, (block + 1) * per_node)]
+    return out
+
+
+def measure_groups(groups, args, device):
+    """(group size, {kind: points}) over `groups` (lists of ranks) measured at once, each
+    point the slowest group's."""
+    if groups == [list(range(dist.get_world_size()))]:
+        return len(groups[0]), measure(dist.group.WORLD, args.sizes, args.repeats,
+                                       args.warmup, device, args.calls)
+    members = sorted(r for g in groups for r in g)
+    extra = [[r] for r in range(dist.get_world_size()) if r not in members]
+    mine, _ = dist.new_subgroups_by_enumeration(groups + extra)
+    size = dist.get_world_size(mine)
+    points = {k: [] for k in KINDS}
+    if size > 1:
+        points = measure(mine, args.sizes, args.repeats, args.warmup, device, args.calls)
+    else:
+        points = {k: [(0, 0.0)] * len(args.sizes) for k in KINDS}
+    flat = torch.tensor([[t for _, t in points[k]] for k in KINDS], dtype=torch.float64,
+                        device=device)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    size = len(groups[0])
+    sent = {k: [sent_bytes(k, _tensor_bytes(k, b, size), size) for b in args.sizes]
+            for k in KINDS}
+    return size, {k: list(zip(sent[k], flat[i].cpu().tolist())) for i, k in enumerate(KINDS)}
 
 
 def fit(points):
@@ -233,42 +330,28 @@ def worker(args) -> int:
     per_node = args.gpus_per_node or local
     hosts = world // local if world % local == 0 else None
 
-    # Groups: the world, and every node's ranks when the world spans nodes.
     measured = {}  # link -> (group size, {kind: points})
-    world_link = "inter" if per_node < world else "intra"
-    measured[world_link] = (world, measure(dist.group.WORLD, args.sizes, args.repeats,
-                                           args.warmup, device, args.calls))
-    if per_node < world and per_node >= 2:
-        nodes = [list(range(s, min(s + per_node, world))) for s in range(0, world, per_node)]
-        mine, _ = dist.new_subgroups_by_enumeration(nodes)
-        size = dist.get_world_size(mine)
-        points = measure(mine, args.sizes, args.repeats, args.warmup, device, args.calls)
-        # Nodes measured at once: take each point's slowest node (max over the world).
-        flat = torch.tensor([[s for _, s in points[k]] for k in KINDS], dtype=torch.float64,
-                            device=device)
-        dist.all_reduce(flat, op=dist.ReduceOp.MAX)
-        points = {k: [(b, t) for (b, _), t in zip(points[k], flat[i].cpu().tolist())]
-                  for i, k in enumerate(KINDS)}
-        measured["intra"] = (size, points)
-
-    compute = measure_compute(args.repeats, args.warmup, device, args.calls)
+    for link, groups in calibration_groups(world, per_node, args.group_size).items():
+        measured[link] = measure_groups(groups, args, device)
+    local = {name: measure_local(cases(device), args.repeats, args.warmup, device, args.calls)
+             for name, cases in (("compute", gemm_cases), ("memory", memory_cases))}
     status = 0
     if rank == 0:
-        status = report(args, backend, world, per_node, hosts, measured, compute)
+        status = report(args, backend, world, per_node, hosts, measured, local)
     dist.barrier()
     dist.destroy_process_group()
     return status
 
 
-def report(args, backend, world, per_node, hosts, measured, compute) -> int:
+def report(args, backend, world, per_node, hosts, measured, local) -> int:
     fits = {link: {k: fit(points) for k, points in pts.items()}
             for link, (_, pts) in measured.items()}
     notes = [f"measured by tools/calibrate_comm.py: {backend}, world {world}, "
              f"{per_node} ranks per node" + (f" ({hosts} host(s) by LOCAL_WORLD_SIZE)"
                                              if hosts else ""),
              f"sizes {args.sizes} bytes per rank, median of {args.repeats} after "
-             f"{args.warmup} warm-up; compute fitted on {len(compute)} GEMM shapes run on "
-             "every rank at once"]
+             f"{args.warmup} warm-up; compute and memory fitted on GEMMs and on row "
+             "permutations and GELUs run on every rank at once"]
     for link in LINKS:
         if link not in fits:
             other = "intra" if link == "inter" else "inter"
@@ -289,13 +372,15 @@ def report(args, backend, world, per_node, hosts, measured, compute) -> int:
                                  "clamped": clamped, "measured": src == link,
                                  "group_size": measured[src][0],
                                  "points": [[b, s] for b, s in measured[src][1][kind]]}
-    c_alpha, c_beta, c_r2, c_clamped = fit(compute)
+    local_fits = {name: fit(points) for name, points in local.items()}
     profile = Profile(gpus_per_node=per_node, collectives=collectives,
-                      compute=(c_alpha, c_beta), name=args.name,
-                      description="; ".join(notes), world_size=world)
+                      compute=local_fits["compute"][:2], memory=local_fits["memory"][:2],
+                      name=args.name, description="; ".join(notes), world_size=world)
     data = json.loads(profile.to_json())
-    extra["compute"] = {"alpha_us": c_alpha * 1e6, "TFLOPs": 1.0 / c_beta / 1e12, "r2": c_r2,
-                        "clamped": c_clamped, "points": [[f, t] for f, t in compute]}
+    for name, (alpha, beta, r2, clamped) in local_fits.items():
+        rate = ("TFLOPs", 1e12) if name == "compute" else ("GBps", 1e9)
+        extra[name] = {"alpha_us": alpha * 1e6, rate[0]: 1.0 / beta / rate[1], "r2": r2,
+                       "clamped": clamped, "points": [list(p) for p in local[name]]}
     data["fit"] = extra
     out_dir = os.path.dirname(os.path.abspath(args.output))
     os.makedirs(out_dir, exist_ok=True)
@@ -313,11 +398,14 @@ def report(args, backend, world, per_node, hosts, measured, compute) -> int:
                   f"{1.0 / beta / 1e9:>12.4g}{r2:>8.3f}{flag}")
             if r2 < R2_MIN:
                 bad.append(f"{kind}/{link} r^2={r2:.3f}")
-    flag = " clamped" if c_clamped else ""
-    print(f"{'gemm':<14}{'-':<7}{world:>6}{c_alpha * 1e6:>12.2f}{1.0 / c_beta / 1e12:>12.4g}"
-          f"{c_r2:>8.3f}{flag}   (TFLOP/s, not GB/s)")
-    if c_r2 < R2_MIN:
-        bad.append(f"gemm r^2={c_r2:.3f}")
+    for name, (alpha, beta, r2, clamped) in local_fits.items():
+        flag = " clamped" if clamped else ""
+        unit = "TFLOP/s" if name == "compute" else "GB/s moved"
+        rate = 1.0 / beta / (1e12 if name == "compute" else 1e9)
+        print(f"{name:<14}{'-':<7}{world:>6}{alpha * 1e6:>12.2f}{rate:>12.4g}{r2:>8.3f}{flag}"
+              f"   ({unit})")
+        if r2 < R2_MIN:
+            bad.append(f"{name} r^2={r2:.3f}")
     for note in notes[2:]:
         print(f"note: {note}")
     print(f"wrote {args.output}")

@@ -194,7 +194,7 @@ def write_png(rows, path):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return f"--png {path} skipped: matplotlib is not installed"
+        return f"--png {path} skipped: matplotlib is not installed (pip install matplotlib)"
     fig, ax = plt.subplots(figsize=(7, 4))
     for name in ("s1", "s2", "auto"):
         values = [r["speedup"][name] for r in rows if r["speedup"][name] is not None]

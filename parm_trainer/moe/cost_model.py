@@ -21,7 +21,8 @@ one node, "inter" otherwise (all its bytes are then priced at the inter-node rat
 one is the identity and costs nothing. Backward of each step is its dual (comm.py):
     a2a -> a2a, allgather -> reducescatter, reducescatter -> allgather, allreduce -> nothing,
     split_* -> AllGather of the piece, gather_* -> nothing, copy -> AllReduce,
-    gate[mp] (split tokens) -> AllReduce of the router weight's gradient (E*M) over MP.
+    gate[mp] (split tokens) -> AllReduce of the router weight's gradient (E*M) over MP; its
+    forward all-reduces the E per-expert token counts (int64) over MP for the aux loss.
 
 Overlapped pair in r chunks (a2a+allgather, reducescatter+a2a; r = min(chunks, capacity slots
 of the smaller side)), a two-stage pipeline: each chunk costs a = alpha_A + A/r and
@@ -33,8 +34,17 @@ it tends to the longer stream as r grows, while every chunk pays its alphas.
 Compute: flops priced alpha + flops*beta; the backward costs twice the forward.
     expert: 2 * rows * M * (H/ESP) * 2 (fc1 and fc2), rows = E*c slots (padding included:
             the executor runs the expert on every slot);   gate: 2 * n * M * E.
-Not priced: the dispatch/combine memory traffic, and the one-scalar all-reduce that agrees the
-dropless capacity.
+Memory-bound work, when the profile has a "memory" entry (alpha s, beta s/byte of bytes read
+plus written; calibrate_comm measures it): dispatch and combine move (n + E*c) * M elements
+(read the tokens, write the slots, or back), the expert's activation reads and writes its
+E*c * H/ESP hidden elements; backward again twice the forward. Without the entry it is not
+priced (on GPUs it is small next to the GEMMs and the links; on CPUs it is not).
+Whole layer (optional "layer" entry, fitted by tools/validate_cost_model.py on measured layers,
+held out from the configurations it validates): a step's collectives cost comm_factor times
+their isolated alpha-beta time and its compute and memory work compute_factor times theirs
+(interference: on a shared machine they slow each other down; 1 when absent), and every step
+adds host_s_per_step (framework and launch cost; backward twice).
+Not priced: the one-scalar all-reduce that agrees the dropless capacity.
 """
 
 from __future__ import annotations
@@ -115,6 +125,11 @@ class Profile:
     name: str = "custom"
     description: str = ""
     world_size: Optional[int] = None
+    memory: Optional[tuple] = None  # (alpha, beta) per byte moved; None: not priced
+    # Whole-layer terms fitted on measured layers (tools/validate_cost_model.py): factors on
+    # the collectives' and on the compute's isolated times (interference when they share a
+    # machine) and a host cost per plan step (seconds, forward; backward twice).
+    layer: tuple = (1.0, 1.0, 0.0)
 
     def link(self, shape: LayerShape, group: str) -> str:
         size, stride = shape.group(group)
@@ -131,6 +146,11 @@ class Profile:
                 "collectives": {k: {link: {"alpha": a, "beta": b} for link, (a, b) in v.items()}
                                 for k, v in self.collectives.items()},
                 "compute": {"alpha": self.compute[0], "beta": self.compute[1]}}
+        if self.memory is not None:
+            data["memory"] = {"alpha": self.memory[0], "beta": self.memory[1]}
+        if self.layer != (1.0, 1.0, 0.0):
+            data["layer"] = dict(zip(("comm_factor", "compute_factor", "host_s_per_step"),
+                                     self.layer))
         if self.world_size is not None:
             data["world_size"] = self.world_size
         text = json.dumps(data, indent=2)
@@ -143,8 +163,10 @@ class Profile:
     def from_json(cls, source: str) -> "Profile":
         """From JSON text or a file path. Each (alpha, beta) entry is either {"alpha": s,
         "beta": s/byte} or, for hand-written cluster files, {"alpha_us": us, "GBps": GB/s}
-        (compute: {"alpha_us", "TFLOPs"}). Top-level keys: gpus_per_node, collectives, compute
-        (required); name, description, world_size, notes, fit (optional). Anything else, a
+        (compute: {"alpha_us", "TFLOPs"}; memory: {"alpha_us", "GBps"}). Top-level keys:
+        gpus_per_node, collectives, compute (required); memory, layer ({"comm_factor",
+        "compute_factor", "host_s_per_step"}), name, description, world_size, notes, fit
+        (optional). Anything else, a
         missing entry, or a negative, zero-rate or non-finite number raises ProfileError."""
         where = "cost profile"
         if not source.lstrip().startswith("{"):
@@ -161,8 +183,8 @@ class Profile:
         return _profile_from_dict(data, where)
 
 
-_TOP_KEYS = {"gpus_per_node", "collectives", "compute", "name", "description", "world_size",
-             "notes", "fit"}
+_TOP_KEYS = {"gpus_per_node", "collectives", "compute", "memory", "layer", "name",
+             "description", "world_size", "notes", "fit"}
 
 
 def _profile_from_dict(data, where: str) -> Profile:
@@ -192,8 +214,20 @@ def _profile_from_dict(data, where: str) -> Profile:
             raise bad(f"collectives.{kind} must have exactly {list(LINKS)}")
         collectives[kind] = {link: _pair(links[link], "GBps", 1e9, f"{where}: collectives."
                                          f"{kind}.{link}") for link in LINKS}
-    return Profile(gpus_per_node=gpus, collectives=collectives,
+    layer = data.get("layer", {"comm_factor": 1.0, "compute_factor": 1.0, "host_s_per_step": 0})
+    keys = ("comm_factor", "compute_factor", "host_s_per_step")
+    if not isinstance(layer, dict) or sorted(layer) != sorted(keys):
+        raise bad(f"layer must have exactly {list(keys)}, got {layer!r}")
+    try:
+        layer = tuple(float(layer[k]) for k in keys)
+    except (TypeError, ValueError):
+        raise bad(f"layer values must be numbers, got {data['layer']!r}") from None
+    if not all(math.isfinite(v) for v in layer) or min(layer[:2]) <= 0 or layer[2] < 0:
+        raise bad(f"layer factors must be > 0 and host_s_per_step >= 0, got {data['layer']!r}")
+    return Profile(gpus_per_node=gpus, collectives=collectives, layer=layer,
                    compute=_pair(data["compute"], "TFLOPs", 1e12, f"{where}: compute"),
+                   memory=(_pair(data["memory"], "GBps", 1e9, f"{where}: memory")
+                           if "memory" in data else None),
                    name=str(data.get("name", "custom")),
                    description=str(data.get("description", "")), world_size=world)
 
@@ -259,6 +293,7 @@ class StepLoad:
     pipelined: bool = False
     chunks: int = 1
     flops: float = 0.0  # forward; the backward is priced at twice the forward
+    moved: float = 0.0  # bytes read + written by memory-bound work, forward (backward twice)
 
 
 def sent_bytes(kind: str, nbytes: int, world: int) -> int:
@@ -298,15 +333,23 @@ def step_load(step: Step, shape: LayerShape, held: Held) -> tuple:
         load = StepLoad(backward=ag) if op == "split_capacity" else StepLoad(forward=ag)
         return load, replace(held, capacity=part if op == "split_capacity" else c * s.mp)
     if op == "gate":
-        wgrad = coll("allreduce", "mp", s.experts * s.hidden * b) if step.group == "mp" else ()
-        return StepLoad(backward=wgrad, flops=2 * n * s.hidden * s.experts), held
+        if step.group != "mp":
+            return StepLoad(flops=2 * n * s.hidden * s.experts), held
+        # on split tokens: the router's per-expert token counts (int64) summed over MP for the
+        # load-balancing loss, and in backward the router weight's gradient
+        counts = coll("allreduce", "mp", s.experts * 8)
+        wgrad = coll("allreduce", "mp", s.experts * s.hidden * b)
+        return StepLoad(forward=counts, backward=wgrad, flops=2 * n * s.hidden * s.experts), held
     if op == "dispatch":
-        return StepLoad(), replace(held, capacity=s.capacity(n, held.multiple))
+        c = s.capacity(n, held.multiple)
+        return (StepLoad(moved=(n + s.experts * c) * s.hidden * b),
+                replace(held, capacity=c))
     if op == "combine":
-        return StepLoad(), replace(held, capacity=0)
+        return StepLoad(moved=(n + s.experts * c) * s.hidden * b), replace(held, capacity=0)
     if op == "expert":
         need(s.ffn % s.esp == 0, f"ffn {s.ffn} does not split over ESP {s.esp}")
-        return StepLoad(flops=2 * s.experts * c * s.hidden * (s.ffn // s.esp) * 2), held
+        rows, h = s.experts * c, s.ffn // s.esp
+        return StepLoad(flops=2 * rows * s.hidden * h * 2, moved=2 * rows * h * b), held
     if op == "a2a":
         need(s.experts % s.ep == 0, f"{s.experts} experts do not split over EP {s.ep}")
         a2a = coll("alltoall", "ep", slab)
@@ -365,8 +408,12 @@ def step_cost(step: Step, shape: LayerShape, profile: Profile, held: Held) -> tu
     """(forward_s, backward_s) of one step, entered holding `held` (see walk)."""
     load, _ = step_load(step, shape, held)
     compute = profile.compute[0] + load.flops * profile.compute[1] if load.flops else 0.0
-    return (_phase_s(load.forward, load, shape, profile) + compute,
-            _phase_s(load.backward, load, shape, profile) + 2 * compute)
+    if load.moved and profile.memory is not None:
+        compute += profile.memory[0] + load.moved * profile.memory[1]
+    comm_factor, compute_factor, host = profile.layer
+    compute = compute * compute_factor + host
+    return (_phase_s(load.forward, load, shape, profile) * comm_factor + compute,
+            _phase_s(load.backward, load, shape, profile) * comm_factor + 2 * compute)
 
 
 def walk(plan: Plan, shape: LayerShape) -> list:
@@ -386,7 +433,8 @@ def walk(plan: Plan, shape: LayerShape) -> list:
 
 def plan_cost(plan: Plan, shape: LayerShape, profile: Profile) -> dict:
     """Per-step breakdown and totals (seconds), plus bytes sent keyed like
-    comm.LEDGER.totals(phase=...): "kind/group"."""
+    comm.LEDGER.totals(phase=...): "kind/group" (the ledger does not see megatron's router
+    count all-reduce of gate[mp], which the model prices)."""
     steps, total_f, total_b = [], 0.0, 0.0
     sent = {"forward": {}, "backward": {}}
     for step, held in walk(plan, shape):

@@ -38,7 +38,8 @@ With a capacity factor the reference counts capacity per gate call as the schedu
 (s1: one call per MP rank; megatron under --sequence-parallel: one per sequence shard).
 
 Timing: the median of --iters iterations after --warmup, per rank with no barrier
-(torch.cuda.synchronize on GPU), reported for rank 0 and as the max over ranks; the ratio to
+(torch.cuda.synchronize on GPU), the schedules' iterations interleaved (one of each in turn, so
+a drift of the machine's speed touches all alike), reported for rank 0 and as the max over ranks; the ratio to
 the baseline uses the max. Bytes: sent per rank by collective kind (received is the same) for
 one iteration, forward and backward, from the ledger (null for megatron, whose collectives the
 ledger does not see).
@@ -458,38 +459,43 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
                    os.path.join(dump_dir, f"{name}_input_grad.pt"))
     del x, out
 
-    # Timing.
-    fwd, bwd = [], []
-    for i in range(args.warmup + args.iters):
-        _clear_tracker()
-        *_, f, b = step()
-        if i >= args.warmup:
-            fwd.append(f)
-            bwd.append(b)
-    _clear_tracker()
-    times = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(times, (_median(fwd), _median(bwd)))
     ledger = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(ledger, bytes_local)
-
-    def timing(index):
-        per_rank = [t[index] for t in times]
-        if per_rank[0] is None:
-            return None
-        return {"rank0": per_rank[0], "max": max(per_rank), "per_rank": per_rank}
-
     result = {
         "status": "ok",
         "plan": str(layer.plan) if hasattr(layer, "plan") else
                 f"megatron-core MoELayer ({args.moe_token_dispatcher_type} dispatcher)",
-        "forward_ms": timing(0),
-        "backward_ms": timing(1),
+        "forward_ms": None,
+        "backward_ms": None,
         "bytes": None if name == "megatron" else _bytes_report(ledger),
         "max_abs_diff": diffs,
         "reference_max_abs": scale,
         "aux_loss": None if aux is None else aux.item(),
     }
-    return result
+    return result, step
+
+
+def time_schedules(timed: dict, args) -> None:
+    """Fill each result's forward_ms / backward_ms: the schedules' iterations interleave (one
+    iteration of each in turn), so a change of the machine's speed during the run touches
+    every schedule alike instead of whichever ran at that moment."""
+    fwd = {name: [] for name in timed}
+    bwd = {name: [] for name in timed}
+    for i in range(args.warmup + args.iters):
+        for name, (_, step) in timed.items():
+            _clear_tracker()
+            *_, f, b = step()
+            if i >= args.warmup:
+                fwd[name].append(f)
+                bwd[name].append(b)
+    _clear_tracker()
+    for name, (result, _) in timed.items():
+        times = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(times, (_median(fwd[name]), _median(bwd[name])))
+        for index, key in enumerate(("forward_ms", "backward_ms")):
+            per_rank = [t[index] for t in times]
+            result[key] = None if per_rank[0] is None else {
+                "rank0": per_rank[0], "max": max(per_rank), "per_rank": per_rank}
 
 
 def _config_summary(args):
@@ -552,8 +558,10 @@ def run_config(args, name=None, dump_dir=None):
                        os.path.join(dump_dir, "output_grad.pt"))
             torch.save({**weights, "activation": ACTIVATION, "router": ROUTER},
                        os.path.join(dump_dir, "weights.pt"))
-        for schedule, trial in runnable:
-            results[schedule] = run_schedule(schedule, trial, replica, weights, device, dump_dir)
+        timed = {schedule: run_schedule(schedule, trial, replica, weights, device, dump_dir)
+                 for schedule, trial in runnable}
+        time_schedules(timed, args)
+        results.update({schedule: result for schedule, (result, _) in timed.items()})
     ordered = {s: results[s] for s in args.schedule_list}
     base = ordered.get("baseline", {})
     base_total = _total_ms(base)

@@ -11,9 +11,10 @@ machine, in three steps:
 2. Measure. One launch of tools/bench_moe_layer.py runs baseline, s1 and s2 forward + backward
    on every configuration of the grid (grid(): tokens, hidden, ffn, experts, top-k, capacity
    factor, MP/EP/ESP and sequence parallelism on 4 ranks), each checked against the single-
-   process reference, and writes OUT/bench_0.json. --rounds (default 2) repeats it, every
-   other round in reverse order, and the times are averaged: on this noisy machine one
-   round's s1-s2 order flips in about one configuration in five.
+   process reference, and writes OUT/bench_0.json; the schedules' iterations interleave.
+   --rounds (default 2) repeats it, every other round in reverse order, and the times are
+   averaged: on this noisy machine one round's s1-s2 order flipped in about one configuration
+   in five when the schedules were timed one after another.
 3. Fit and validate. The isolated alpha-beta and FLOP prices leave out how collectives,
    compute and the framework's own host work slow each other down on a shared machine. Three
    whole-layer terms (the profile's "layer" entry: a factor on the collectives' time, a factor

@@ -145,6 +145,26 @@ def _op(kind, x, group, world):
     raise ValueError(kind)
 
 
+def time_call(call, repeats, warmup, device, calls, group=None) -> float:
+    """Median seconds of one call: --warmup untimed calls, then `repeats` samples, each after a
+    barrier on the group and the mean of `calls` back-to-back calls; a sample's time is the
+    slowest rank's."""
+    for _ in range(warmup):
+        call()
+    _sync(device)
+    times = torch.zeros(repeats, dtype=torch.float64, device=device)
+    for i in range(repeats):
+        dist.barrier(group=group)
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        _sync(device)
+        times[i] = (time.perf_counter() - t0) / calls
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return statistics.median(times.cpu().tolist())
+
+
 def measure(group, sizes, repeats, warmup, device, calls=1):
     """{kind: [(sent bytes, median seconds)]} on `group` (every rank of it calls this)."""
     world = dist.get_world_size(group)
@@ -154,21 +174,8 @@ def measure(group, sizes, repeats, warmup, device, calls=1):
         for size in sizes:
             x = torch.ones(_tensor_bytes(kind, size, world) // 4, dtype=torch.float32,
                            device=device)
-            call = _op(kind, x, group, world)
-            for _ in range(warmup):
-                call()
-            _sync(device)
-            times = torch.zeros(repeats, dtype=torch.float64, device=device)
-            for i in range(repeats):
-                dist.barrier(group=group)
-                _sync(device)
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    call()
-                _sync(device)
-                times[i] = (time.perf_counter() - t0) / calls
-            dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-            seconds = statistics.median(times.cpu().tolist())
+            seconds = time_call(_op(kind, x, group, world), repeats, warmup, device, calls,
+                                group)
             points.append((sent_bytes(kind, x.nbytes, world), seconds))
         out[kind] = points
     return out
@@ -221,19 +228,7 @@ def measure_local(cases, repeats, warmup, device, calls):
     rank's; / 3: the time of one forward when a backward costs two."""
     points = []
     for amount, call in cases:
-        for _ in range(warmup):
-            call()
-        times = torch.zeros(repeats, dtype=torch.float64, device=device)
-        for i in range(repeats):
-            dist.barrier()
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                call()
-            _sync(device)
-            times[i] = (time.perf_counter() - t0) / calls
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        points.append((amount, statistics.median(times.cpu().tolist()) / 3))
+        points.append((amount, time_call(call, repeats, warmup, device, calls) / 3))
     return points
 
 
@@ -273,7 +268,6 @@ def measure_groups(groups, args, device):
     extra = [[r] for r in range(dist.get_world_size()) if r not in members]
     mine, _ = dist.new_subgroups_by_enumeration(groups + extra)
     size = dist.get_world_size(mine)
-    points = {k: [] for k in KINDS}
     if size > 1:
         points = measure(mine, args.sizes, args.repeats, args.warmup, device, args.calls)
     else:

@@ -118,12 +118,33 @@ def test_expert_flops_and_capacity_state():
     # s1's expert sees its 32 slots gathered over ESP = 64: the same rows as the baseline
     held = dict((str(step), h) for step, h in walk(build_plan("s1", False), SHAPE))
     assert held["expert"].capacity == 64 and held["gate[mp]"].tokens == 64
-    # dropless: balanced routing, C = ceil(n k / E), rounded to MP where the plan splits it
+    # dropless: the expected largest of E = 8 loads ~ N(12.5, 3.31^2): z(8) = 1.43 -> 17.2 ->
+    # 18, rounded up to MP = 4 where the plan splits it
     dropless = LayerShape(tokens=100, hidden=8, ffn=8, experts=8, topk=1, capacity_factor=None,
                           mp=4, ep=2, esp=4)
-    assert dropless.capacity(100) == 13 and dropless.capacity(100, multiple=4) == 16
+    assert dropless.capacity(100) == 18 and dropless.capacity(100, multiple=4) == 20
     held = dict((str(step), h) for step, h in walk(build_plan("s2", False), dropless))
-    assert held["split_capacity[mp]"].capacity == 16
+    assert held["split_capacity[mp]"].capacity == 20
+
+
+@pytest.mark.parametrize("tokens,experts,topk,mp,dp", [
+    (512, 4, 2, 4, 1), (1024, 4, 3, 4, 1), (256, 8, 2, 2, 2), (8192, 16, 2, 8, 4),
+    (128, 4, 2, 2, 2), (100, 8, 1, 4, 1)])
+def test_dropless_capacity_matches_random_routing(tokens, experts, topk, mp, dp):
+    """The dropless capacity estimate against a Monte Carlo of random top-k routing: each of
+    the stage's gate calls routes every token to k distinct uniformly drawn experts, and the
+    capacity is the largest load over all calls. Split tokens (s1: MP x DP calls on N/MP
+    tokens) and whole tokens (s2: DP calls on N) each within 4 %."""
+    shape = LayerShape(tokens=tokens, hidden=8, ffn=8, experts=experts, topk=topk,
+                       capacity_factor=None, mp=mp, ep=1, esp=mp, dp=dp)
+    rng = np.random.default_rng(0)
+    for n, calls in ((tokens // mp, mp * dp), (tokens, dp)):
+        trials = []
+        for _ in range(200):
+            choice = np.argsort(rng.random((calls, n, experts)), axis=-1)[..., :topk]
+            loads = np.stack([np.bincount(c.ravel(), minlength=experts) for c in choice])
+            trials.append(loads.max())
+        assert shape.capacity(n) == pytest.approx(np.mean(trials), rel=0.04)
 
 
 def test_layouts_the_executor_refuses_are_refused():
@@ -164,6 +185,26 @@ def test_pair_step_priced_with_the_formula():
         expected = a2a + ag if chunks == 1 else max(a2a, ag) + min(a2a, ag) / chunks
         assert rows[3]["forward_s"] == pytest.approx(expected)
         assert rows[3]["backward_s"] == pytest.approx(expected)
+
+
+def test_layer_terms_add_per_step_and_per_call_costs():
+    """host_s_per_step is paid by every step, s_per_call by every collective call: s1 at
+    MP = EP = ESP = 2 without SP calls, forward, the router-count AllReduce, r AlltoAlls and r
+    AllGathers, r ReduceScatters and r AlltoAlls, the MP AllGather: 2 + 4r; backward, the
+    split's AllGather, the gate weight's AllReduce and the pairs' 4r."""
+    prof = profile(alpha=1e-5)
+    for chunks in (1, 2):
+        shape = replace(SHAPE, chunks=chunks)
+        plain = plan_cost(build_plan("s1", False), shape, prof)
+        per_step = plan_cost(build_plan("s1", False), shape,
+                             replace(prof, layer=(1.0, 1.0, 1e-3, 0.0)))
+        per_call = plan_cost(build_plan("s1", False), shape,
+                             replace(prof, layer=(1.0, 1.0, 0.0, 1e-3)))
+        steps = len(build_plan("s1", False).steps)
+        assert per_step["total_s"] - plain["total_s"] == pytest.approx(3 * steps * 1e-3)
+        assert per_call["forward_s"] - plain["forward_s"] == pytest.approx((2 + 4 * chunks) * 1e-3)
+        assert per_call["backward_s"] - plain["backward_s"] == pytest.approx((2 + 4 * chunks)
+                                                                            * 1e-3)
 
 
 def test_group_placement():
@@ -255,6 +296,8 @@ def _broken(edit):
     (lambda d: d["compute"].update(alpha=float("nan")), "compute: values must be finite"),
     (lambda d: d["compute"].update(gbps=3), "compute: expected"),
     (lambda d: d.update(world_size=-4), "world_size must be a positive integer"),
+    (lambda d: d.update(layer={"comm_factor": 2.0, "per_step": 1e-4}), "layer must have some of"),
+    (lambda d: d.update(layer={"s_per_call": -1e-4}), "s_per_call >= 0"),
 ])
 def test_malformed_profile_is_refused(edit, message):
     with pytest.raises(ProfileError) as error:

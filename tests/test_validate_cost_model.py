@@ -66,12 +66,11 @@ def _synthetic_runs(terms):
 
 
 def test_evaluate_recovers_the_terms_behind_synthetic_measurements(tmp_path):
-    terms = (2.0, 1.5, 2e-4)
+    terms = (2.0, 1.5, 2e-4, 5e-4)
     runs = _synthetic_runs(terms)
     result = tool.evaluate(runs, DEFAULT_PROFILE, {"c00", "c04", "c08"})
     fitted = result["summary"]["layer_terms"]
-    assert [fitted[k] for k in ("comm_factor", "compute_factor", "host_s_per_step")] == \
-        pytest.approx(terms, rel=1e-6)
+    assert [fitted[k] for k in tool.LAYER_KEYS] == pytest.approx(terms, rel=1e-6)
     assert result["summary"]["median_abs_rel_error"] == pytest.approx(0.0, abs=1e-9)
     assert result["summary"]["held_out_configs"] == 9
     assert result["summary"]["auto_right_all"] == 9  # exact times: auto is always right
@@ -81,7 +80,7 @@ def test_evaluate_recovers_the_terms_behind_synthetic_measurements(tmp_path):
 
 
 def test_rounds_are_averaged(tmp_path):
-    runs = _synthetic_runs((1.0, 1.0, 0.0))[:2]
+    runs = _synthetic_runs(tool.LAYER_DEFAULT)[:2]
     paths = []
     for factor in (1.0, 3.0):
         scaled = json.loads(json.dumps(runs))

@@ -107,7 +107,7 @@ def grid(args):
             yield {"gpus": gpus, "batch": b, "seq": s}, LayerShape(
                 tokens=b * s, hidden=m, ffn=ratio * m, experts=e, topk=k, capacity_factor=f,
                 bytes_per_element=args.bytes_per_element, mp=mp, ep=ep, esp=esp,
-                sequence_parallel=args.sequence_parallel, chunks=args.chunks)
+                sequence_parallel=args.sequence_parallel, chunks=args.chunks, dp=gpus // mp)
 
 
 def s2_as_specified(shape, profile):

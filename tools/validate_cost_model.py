@@ -16,9 +16,9 @@ machine, in three steps:
    averaged: on this noisy machine one round's s1-s2 order flipped in about one configuration
    in five when the schedules were timed one after another.
 3. Fit and validate. The isolated alpha-beta and FLOP prices leave out how collectives,
-   compute and the framework's own host work slow each other down on a shared machine. Three
+   compute and the framework's own host work slow each other down on a shared machine. Four
    whole-layer terms (the profile's "layer" entry: a factor on the collectives' time, a factor
-   on the compute's, and a host cost per plan step) are fitted by non-negative least squares
+   on the compute's, a host cost per plan step and a cost per collective call) are fitted by non-negative least squares
    on the FIT configurations only (every fourth configuration of the grid) and written with
    the calibrated numbers into OUT/profile.json (load it with --moe-parm-cost-profile). The
    other configurations are held out: for each one and each schedule the tool prints the
@@ -45,8 +45,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from parm_trainer.moe.cost_model import (LayerShape, Profile, choose_schedule,  # noqa: E402
-                                         plan_cost)
+from parm_trainer.moe.cost_model import (LAYER_DEFAULT, LAYER_KEYS, LayerShape,  # noqa: E402
+                                         Profile, calls, choose_schedule, plan_cost, step_load,
+                                         walk)
 from parm_trainer.moe.schedules import build_plan  # noqa: E402
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
@@ -97,7 +98,8 @@ def layer_shape(config: dict, bytes_per_element: int = 4) -> LayerShape:
                       topk=c["moe_router_topk"], capacity_factor=c["moe_expert_capacity_factor"],
                       bytes_per_element=bytes_per_element, mp=c["tensor_model_parallel_size"],
                       ep=c["expert_model_parallel_size"], esp=c["expert_tensor_parallel_size"],
-                      sequence_parallel=c["sequence_parallel"], chunks=c["moe_parm_chunks"])
+                      sequence_parallel=c["sequence_parallel"], chunks=c["moe_parm_chunks"],
+                      dp=c.get("data_parallel_size", 1))
 
 
 def merge_rounds(paths: list) -> list:
@@ -129,15 +131,20 @@ def measured_s(result: dict):
 
 
 def parts(name: str, shape: LayerShape, profile: Profile) -> np.ndarray:
-    """[collective seconds, compute + memory seconds, plan steps x 3] of one schedule, priced
-    with the isolated profile (no layer terms): the features the layer terms weigh."""
+    """[collective seconds, compute + memory seconds, plan steps x 3, collective calls] of one
+    schedule (forward + backward), priced with the isolated profile (no layer terms): the
+    features the layer terms weigh."""
     plan = build_plan(name, shape.sequence_parallel)
-    isolated = replace(profile, layer=(1.0, 1.0, 0.0))
+    isolated = replace(profile, layer=LAYER_DEFAULT)
     no_comm = replace(isolated, collectives={k: {link: (0.0, 1e-30) for link in v}
                                              for k, v in profile.collectives.items()})
     total = plan_cost(plan, shape, isolated)["total_s"]
     compute = plan_cost(plan, shape, no_comm)["total_s"]
-    return np.array([total - compute, compute, 3.0 * len(plan.steps)])
+    n_calls = 0
+    for step, held in walk(plan, shape):
+        load, _ = step_load(step, shape, held)
+        n_calls += calls(load.forward, load) + calls(load.backward, load)
+    return np.array([total - compute, compute, 3.0 * len(plan.steps), n_calls])
 
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -163,14 +170,14 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def fit_layer_terms(features, seconds) -> tuple:
-    """(comm_factor, compute_factor, host_s_per_step) >= 0 minimising the squared relative
-    error of features @ terms against seconds (small and large layers weigh alike)."""
+    """(comm_factor, compute_factor, host_s_per_step, s_per_call) >= 0 minimising the squared
+    relative error of features @ terms against seconds (small and large layers weigh alike)."""
     a = np.asarray(features, dtype=float)
     b = np.asarray(seconds, dtype=float)
     scale = 1.0 / b
     terms = _nnls(a * scale[:, None], b * scale)
-    comm, compute, host = (float(v) for v in terms)
-    return max(comm, 1e-6), max(compute, 1e-6), host
+    comm, compute, host, per_call = (float(v) for v in terms)
+    return max(comm, 1e-6), max(compute, 1e-6), host, per_call
 
 
 def evaluate(runs: list, profile: Profile, fit_names: set) -> dict:
@@ -184,8 +191,9 @@ def evaluate(runs: list, profile: Profile, fit_names: set) -> dict:
                 samples.append((run["name"], name, shape, seconds))
     fit_rows = [(parts(n, shape, profile), s) for cfg, n, shape, s in samples
                 if cfg in fit_names]
-    if len(fit_rows) < 3:
-        raise ValueError(f"{len(fit_rows)} measured schedules to fit 3 layer terms on")
+    if len(fit_rows) < len(LAYER_KEYS):
+        raise ValueError(f"{len(fit_rows)} measured schedules to fit {len(LAYER_KEYS)} layer "
+                         f"terms on")
     terms = fit_layer_terms([f for f, _ in fit_rows], [s for _, s in fit_rows])
     fitted = replace(profile, layer=terms)
 
@@ -227,7 +235,7 @@ def evaluate(runs: list, profile: Profile, fit_names: set) -> dict:
     right = sum(row["auto_right"] for row in decided)
     summary = {
         "fit_configs": sorted(fit_names), "held_out_configs": len(configs),
-        "layer_terms": dict(zip(("comm_factor", "compute_factor", "host_s_per_step"), terms)),
+        "layer_terms": dict(zip(LAYER_KEYS, terms)),
         "median_abs_rel_error": statistics.median(errors) if errors else None,
         "p90_abs_rel_error": float(np.percentile(errors, 90)) if errors else None,
         "schedules_compared": len(errors),
@@ -265,7 +273,8 @@ def format_report(result: dict) -> str:
         "* auto did not pick the measured-faster of s1 and s2",
         f"layer terms fitted on {len(s['fit_configs'])} other configurations: collectives x"
         f"{t['comm_factor']:.2f}, compute x{t['compute_factor']:.2f}, host "
-        f"{t['host_s_per_step'] * 1e3:.3f} ms per plan step (backward twice)",
+        f"{t['host_s_per_step'] * 1e3:.3f} ms per plan step (backward twice), "
+        f"{t['s_per_call'] * 1e3:.3f} ms per collective call",
         f"held out: {s['held_out_configs']} configurations, {s['schedules_compared']} measured "
         f"schedules; median |predicted - measured| / measured = "
         f"{s['median_abs_rel_error']:.1%} (90th percentile {s['p90_abs_rel_error']:.1%})",

@@ -21,7 +21,9 @@ def layer_shape(args) -> LayerShape:
         capacity_factor=args.moe_expert_capacity_factor, bytes_per_element=2 if args.bf16 else 4,
         mp=args.tensor_model_parallel_size, ep=args.expert_model_parallel_size,
         esp=args.expert_tensor_parallel_size, sequence_parallel=args.sequence_parallel,
-        chunks=args.moe_parm_chunks)
+        chunks=args.moe_parm_chunks,
+        dp=args.world_size // (args.tensor_model_parallel_size
+                               * args.pipeline_model_parallel_size))
 
 
 def load_profile(args) -> Profile:

@@ -9,8 +9,9 @@ Walking a plan. The model tracks what this rank holds between steps, as the exec
 tokens (n, M), n = N, or N/G under sequence parallelism or after split_tokens; or a dispatched
 (E, c, M) tensor, c = C after dispatch, C/G after split_capacity, ESP*c after an ESP gather.
 C is the capacity of ONE gate call on n tokens: ceil(n*k*f/E) (megatron's get_capacity); when
-f is None (dropless) routing is assumed balanced, C = ceil(n*k/E), rounded up to a multiple of
-G where the plan splits the capacity (as layer.py rounds the agreed maximum load).
+f is None (dropless), the expected largest expert load over the stage's gate calls under random
+routing (LayerShape.capacity), rounded up to a multiple of G where the plan splits the capacity
+(as layer.py rounds the agreed maximum load).
 
 Collectives, for the bytes THIS rank sends in a group of W ranks (comm.py's ledger), B the
 bytes of the tensor the collective takes:
@@ -43,7 +44,9 @@ Whole layer (optional "layer" entry, fitted by tools/validate_cost_model.py on m
 held out from the configurations it validates): a step's collectives cost comm_factor times
 their isolated alpha-beta time and its compute and memory work compute_factor times theirs
 (interference: on a shared machine they slow each other down; 1 when absent), and every step
-adds host_s_per_step (framework and launch cost; backward twice).
+adds host_s_per_step (framework and launch cost; backward twice), and every collective call
+(a pipelined pair of r chunks makes 2r) adds s_per_call: each blocking call is a point where
+ranks wait for the slowest of them, which an isolated calibration of the call does not see.
 Not priced: the one-scalar all-reduce that agrees the dropless capacity.
 """
 
@@ -52,6 +55,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, replace
+from statistics import NormalDist
 from typing import Optional
 
 import numpy as np
@@ -60,6 +64,8 @@ from parm_trainer.moe.plan import Plan, Step
 from parm_trainer.moe.schedules import build_plan
 
 KINDS = ("alltoall", "allgather", "reducescatter", "allreduce")
+LAYER_KEYS = ("comm_factor", "compute_factor", "host_s_per_step", "s_per_call")
+LAYER_DEFAULT = (1.0, 1.0, 0.0, 0.0)
 LINKS = ("intra", "inter")
 
 
@@ -78,19 +84,30 @@ class LayerShape:
     esp: int = 1  # ESP ranks are consecutive
     sequence_parallel: bool = False
     chunks: int = 1
+    dp: int = 1   # MP groups in the pipeline stage (their gate calls share the dropless capacity)
     # What-if: round a capacity-factor capacity up to the multiple a plan that splits it needs,
     # as the executor does only when dropless (today it refuses such layouts instead).
     pad_capacity: bool = False
 
     def capacity(self, n: int, multiple: int = 1) -> int:
         """Slots per expert for one gate call on n tokens (rounded up to `multiple` when
-        dropless, or with pad_capacity)."""
+        dropless, or with pad_capacity). Dropless, it is the largest expert load over every
+        gate call of the stage (layer.py agrees it with a MAX all-reduce): under random
+        routing each load is about Normal(n*p, n*p*(1-p)), p = k/E, and the expected largest
+        of m = E * calls such loads is mean + sd * z(m), z(m) = Phi^-1((m - 0.375)/(m + 0.25))
+        (Blom's approximation; z(1) = 0). calls = dp * N / n: a plan that gates 1/G of the
+        tokens makes G times as many calls on smaller samples, so its maximum sits further
+        above the mean (on 4 ranks, MP 4, 512 tokens, 4 experts, top-2: 74 slots predicted and
+        measured for s1's calls on 128 tokens, 64 if balanced)."""
         if self.capacity_factor is not None:
             slots = math.ceil(n * self.topk / self.experts * self.capacity_factor)
             if not self.pad_capacity:
                 return slots
         else:
-            slots = math.ceil(n * self.topk / self.experts)
+            p = min(1.0, self.topk / self.experts)
+            m = self.experts * self.dp * max(1, self.tokens // max(n, 1))
+            z = NormalDist().inv_cdf((m - 0.375) / (m + 0.25))
+            slots = min(n, math.ceil(n * p + z * math.sqrt(n * p * (1 - p)) - 1e-9))
         return math.ceil(slots / multiple) * multiple
 
     def group(self, name: str) -> tuple:
@@ -127,8 +144,9 @@ class Profile:
     memory: Optional[tuple] = None  # (alpha, beta) per byte moved; None: not priced
     # Whole-layer terms fitted on measured layers (tools/validate_cost_model.py): factors on
     # the collectives' and on the compute's isolated times (interference when they share a
-    # machine) and a host cost per plan step (seconds, forward; backward twice).
-    layer: tuple = (1.0, 1.0, 0.0)
+    # machine), a host cost per plan step (seconds, forward; backward twice) and a cost per
+    # collective call (seconds; ranks waiting for each other at each blocking call).
+    layer: tuple = (1.0, 1.0, 0.0, 0.0)
 
     def link(self, shape: LayerShape, group: str) -> str:
         size, stride = shape.group(group)
@@ -147,9 +165,8 @@ class Profile:
                 "compute": {"alpha": self.compute[0], "beta": self.compute[1]}}
         if self.memory is not None:
             data["memory"] = {"alpha": self.memory[0], "beta": self.memory[1]}
-        if self.layer != (1.0, 1.0, 0.0):
-            data["layer"] = dict(zip(("comm_factor", "compute_factor", "host_s_per_step"),
-                                     self.layer))
+        if tuple(self.layer) != LAYER_DEFAULT:
+            data["layer"] = dict(zip(LAYER_KEYS, self.layer))
         if self.world_size is not None:
             data["world_size"] = self.world_size
         text = json.dumps(data, indent=2)
@@ -163,8 +180,8 @@ class Profile:
         """From JSON text or a file path. Each (alpha, beta) entry is either {"alpha": s,
         "beta": s/byte} or, for hand-written cluster files, {"alpha_us": us, "GBps": GB/s}
         (compute: {"alpha_us", "TFLOPs"}; memory: {"alpha_us", "GBps"}). Top-level keys:
-        gpus_per_node, collectives, compute (required); memory, layer ({"comm_factor",
-        "compute_factor", "host_s_per_step"}), name, description, world_size, notes, fit
+        gpus_per_node, collectives, compute (required); memory, layer (some of
+        "comm_factor", "compute_factor", "host_s_per_step", "s_per_call"), name, description, world_size, notes, fit
         (optional). Anything else, a
         missing entry, or a negative, zero-rate or non-finite number raises ProfileError."""
         where = "cost profile"
@@ -213,16 +230,16 @@ def _profile_from_dict(data, where: str) -> Profile:
             raise bad(f"collectives.{kind} must have exactly {list(LINKS)}")
         collectives[kind] = {link: _pair(links[link], "GBps", 1e9, f"{where}: collectives."
                                          f"{kind}.{link}") for link in LINKS}
-    layer = data.get("layer", {"comm_factor": 1.0, "compute_factor": 1.0, "host_s_per_step": 0})
-    keys = ("comm_factor", "compute_factor", "host_s_per_step")
-    if not isinstance(layer, dict) or sorted(layer) != sorted(keys):
-        raise bad(f"layer must have exactly {list(keys)}, got {layer!r}")
+    layer = data.get("layer", {})
+    if not isinstance(layer, dict) or not set(layer) <= set(LAYER_KEYS):
+        raise bad(f"layer must have some of {list(LAYER_KEYS)}, got {layer!r}")
     try:
-        layer = tuple(float(layer[k]) for k in keys)
+        layer = tuple(float(layer.get(k, d)) for k, d in zip(LAYER_KEYS, LAYER_DEFAULT))
     except (TypeError, ValueError):
         raise bad(f"layer values must be numbers, got {data['layer']!r}") from None
-    if not all(math.isfinite(v) for v in layer) or min(layer[:2]) <= 0 or layer[2] < 0:
-        raise bad(f"layer factors must be > 0 and host_s_per_step >= 0, got {data['layer']!r}")
+    if not all(math.isfinite(v) for v in layer) or min(layer[:2]) <= 0 or min(layer[2:]) < 0:
+        raise bad(f"layer factors must be > 0 and host_s_per_step, s_per_call >= 0, got "
+                  f"{data['layer']!r}")
     return Profile(gpus_per_node=gpus, collectives=collectives, layer=layer,
                    compute=_pair(data["compute"], "TFLOPs", 1e12, f"{where}: compute"),
                    memory=(_pair(data["memory"], "GBps", 1e9, f"{where}: memory")
@@ -409,10 +426,16 @@ def step_cost(step: Step, shape: LayerShape, profile: Profile, held: Held) -> tu
     compute = profile.compute[0] + load.flops * profile.compute[1] if load.flops else 0.0
     if load.moved and profile.memory is not None:
         compute += profile.memory[0] + load.moved * profile.memory[1]
-    comm_factor, compute_factor, host = profile.layer
+    comm_factor, compute_factor, host, per_call = profile.layer
     compute = compute * compute_factor + host
-    return (_phase_s(load.forward, load, shape, profile) * comm_factor + compute,
-            _phase_s(load.backward, load, shape, profile) * comm_factor + 2 * compute)
+    return tuple(_phase_s(colls, load, shape, profile) * comm_factor + per_call * calls(colls, load)
+                 + compute * weight
+                 for colls, weight in ((load.forward, 1), (load.backward, 2)))
+
+
+def calls(colls: tuple, load: StepLoad) -> int:
+    """Collective calls of one phase of a step: a pipelined pair makes one of each per chunk."""
+    return len(colls) * (load.chunks if load.pipelined and len(colls) == 2 else 1)
 
 
 def walk(plan: Plan, shape: LayerShape) -> list:

@@ -6,16 +6,14 @@
 #                 NNODES=4 NODE_RANK=0 MASTER_ADDR=node0 NPROC_PER_NODE=8 bash scripts/train_gpt_moe.sh
 #
 # Every setting below can be overridden from the environment; extra arguments are passed on
-# to pretrain_gpt_moe.py last, so they win over the defaults here.
+# to pretrain_gpt_moe.py last, so they win over the defaults here. PRETRAIN names the entry
+# script: scripts/train_bert_moe.sh runs this launcher with PRETRAIN=pretrain_bert_moe.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PYTHON=${PYTHON:-python}
-NPROC_PER_NODE=${NPROC_PER_NODE:-4}
-NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
-MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
-MASTER_PORT=${MASTER_PORT:-29500}
+PRETRAIN=${PRETRAIN:-pretrain_gpt_moe.py}
+# torchrun's settings (NNODES, NODE_RANK, NPROC_PER_NODE, MASTER_ADDR, MASTER_PORT, PYTHON) are
+# read by scripts/launch.sh, the multi-node launcher.
 
 TP=${TP:-2}; EP=${EP:-2}; ETP=${ETP:-$TP}; PP=${PP:-1}
 NUM_EXPERTS=${NUM_EXPERTS:-4}; TOPK=${TOPK:-2}
@@ -23,10 +21,6 @@ DATA_PATH=${DATA_PATH:-data/demo/corpus_text_document}
 TOKENIZER_MODEL=${TOKENIZER_MODEL:-data/demo/tokenizer.model}
 RUN_DIR=${RUN_DIR:-runs/gpt_moe}
 
-DISTRIBUTED_ARGS=(
-    --nproc-per-node "$NPROC_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"
-    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
-)
 MODEL_ARGS=(
     --num-layers "${NUM_LAYERS:-4}" --hidden-size "${HIDDEN:-128}"
     --num-attention-heads "${HEADS:-4}" --seq-length "${SEQ:-128}"
@@ -62,6 +56,6 @@ if [ -n "${WANDB_PROJECT:-}" ]; then
     OUTPUT_ARGS+=(--wandb-project "$WANDB_PROJECT" --wandb-exp-name "${WANDB_EXP_NAME:-gpt_moe}")
 fi
 
-exec "$PYTHON" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" pretrain_gpt_moe.py \
+exec bash scripts/launch.sh "$PRETRAIN" \
     "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" \
     "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"

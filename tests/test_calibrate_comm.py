@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 from parm_trainer.moe.cost_model import KINDS, LINKS, Profile
 
@@ -45,3 +47,24 @@ def test_two_rank_calibration_writes_loadable_profile(tmp_path):
     gemm = data["fit"]["compute"]
     assert len(gemm["points"]) >= 4 and gemm["r2"] <= 1.0 and "compute" in result.stdout
     assert profile.memory[0] >= 0 and profile.memory[1] > 0 and data["fit"]["memory"]["points"]
+
+
+def test_groups_and_node_share():
+    """Which groups each link class is measured on, and the factor from a rank's fitted
+    bandwidth to its node's link: the ranks of a node sending at once, times the share of
+    their peers on other nodes."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("calibrate_comm",
+                                                  ROOT / "tools/calibrate_comm.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    # 2 nodes x 2 ranks, groups of 2: pairs inside a node, pairs one node apart
+    groups = tool.calibration_groups(4, 2, 2)
+    assert groups == {"intra": [[0, 1], [2, 3]], "inter": [[0, 2], [1, 3]]}
+    assert tool.node_share(groups["inter"], 2) == 2.0   # both ranks of a node, all peers remote
+    assert tool.node_share(groups["intra"], 2) == 0.0
+    # the whole world of 2 x 4: 4 ranks per node at once, 4 of each rank's 7 peers remote
+    world = tool.calibration_groups(8, 4)
+    assert world["inter"] == [list(range(8))]
+    assert tool.node_share(world["inter"], 4) == pytest.approx(4 * 4 / 7)

@@ -14,7 +14,11 @@ Groups. The whole world is measured; it is "inter" when --gpus-per-node (default
 LOCAL_WORLD_SIZE, the ranks on this node) is smaller than the world, else "intra". When it is
 smaller, every node's ranks also form a group (all measured at once), which gives "intra". A link
 class with no measurement of its own gets the other's values, and the JSON "description" says so
-(a one-machine run measures only "intra", and writes it to "inter" too).
+(a one-machine run measures only "intra", and writes it to "inter" too). For "inter" across real
+(or emulated) nodes the table also gives the rate through one node's network link: the fitted
+per-rank bandwidth times the node's ranks sending at once times the share of their peers on
+other nodes (the groups of --group-size 2 on 2 nodes: 2 ranks per node, all peers remote).
+Under tools/emulated_cluster.py this is the number to hold against the shaped rate.
 
 Sizes (--sizes, bytes of the tensor each rank passes in, float32; default 7 sizes from 256 KiB to
 16 MiB, large enough that the bandwidth term stands out of scheduling noise; on 4 gloo ranks on 2
@@ -258,6 +262,18 @@ def calibration_groups(world, per_node, group_size=None) -> dict:
     return out
 
 
+def node_share(groups, per_node) -> float:
+    """For groups measured at once: how many of one node's ranks send at once, times the
+    share of a rank's peers that sit on other nodes. A rank's fitted bandwidth times this is
+    the rate through one node's network link (all of it when the groups cross nodes)."""
+    node_of = lambda r: r // per_node  # noqa: E731
+    busiest = max(sum(1 for g in groups for r in g if node_of(r) == n)
+                  for n in {node_of(r) for g in groups for r in g})
+    shares = [sum(node_of(p) != node_of(r) for p in g) / (len(g) - 1)
+              for g in groups for r in g]
+    return busiest * statistics.fmean(shares)
+
+
 def measure_groups(groups, args, device):
     """(group size, {kind: points}) over `groups` (lists of ranks) measured at once, each
     point the slowest group's."""
@@ -324,20 +340,21 @@ def worker(args) -> int:
     per_node = args.gpus_per_node or local
     hosts = world // local if world % local == 0 else None
 
-    measured = {}  # link -> (group size, {kind: points})
+    measured, shares = {}, {}  # link -> (group size, {kind: points}); link -> node_share
     for link, groups in calibration_groups(world, per_node, args.group_size).items():
         measured[link] = measure_groups(groups, args, device)
+        shares[link] = node_share(groups, per_node)
     local = {name: measure_local(cases(device), args.repeats, args.warmup, device, args.calls)
              for name, cases in (("compute", gemm_cases), ("memory", memory_cases))}
     status = 0
     if rank == 0:
-        status = report(args, backend, world, per_node, hosts, measured, local)
+        status = report(args, backend, world, per_node, hosts, measured, local, shares)
     dist.barrier()
     dist.destroy_process_group()
     return status
 
 
-def report(args, backend, world, per_node, hosts, measured, local) -> int:
+def report(args, backend, world, per_node, hosts, measured, local, shares) -> int:
     fits = {link: {k: fit(points) for k, points in pts.items()}
             for link, (_, pts) in measured.items()}
     notes = [f"measured by tools/calibrate_comm.py: {backend}, world {world}, "
@@ -363,6 +380,8 @@ def report(args, backend, world, per_node, hosts, measured, local) -> int:
             alpha, beta, r2, clamped = fits[src][kind]
             collectives[kind][link] = (alpha, beta)
             extra[kind][link] = {"alpha_us": alpha * 1e6, "GBps": 1.0 / beta / 1e9, "r2": r2,
+                                 "node_link_GBps": shares[src] / beta / 1e9 if src == "inter"
+                                 and link == "inter" else None,
                                  "clamped": clamped, "measured": src == link,
                                  "group_size": measured[src][0],
                                  "points": [[b, s] for b, s in measured[src][1][kind]]}
@@ -381,15 +400,18 @@ def report(args, backend, world, per_node, hosts, measured, local) -> int:
     with open(args.output, "w") as f:
         f.write(json.dumps(data, indent=2) + "\n")
 
-    print(f"{'kind':<14}{'link':<7}{'ranks':>6}{'alpha (us)':>12}{'GB/s':>12}{'r^2':>8}")
+    print(f"{'kind':<14}{'link':<7}{'ranks':>6}{'alpha (us)':>12}{'GB/s':>12}{'r^2':>8}"
+          f"{'node link GB/s':>16}")
     for link in LINKS:
         if link not in fits:
             continue
         for kind in KINDS:
             alpha, beta, r2, clamped = fits[link][kind]
             flag = " clamped" if clamped else ""
+            node = (f"{shares[link] / beta / 1e9:>16.4g}" if link == "inter" and hosts
+                    and hosts > 1 else f"{'-':>16}")
             print(f"{kind:<14}{link:<7}{measured[link][0]:>6}{alpha * 1e6:>12.2f}"
-                  f"{1.0 / beta / 1e9:>12.4g}{r2:>8.3f}{flag}")
+                  f"{1.0 / beta / 1e9:>12.4g}{r2:>8.3f}{node}{flag}")
             if r2 < R2_MIN:
                 bad.append(f"{kind}/{link} r^2={r2:.3f}")
     for name, (alpha, beta, r2, clamped) in local_fits.items():

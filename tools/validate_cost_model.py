@@ -29,6 +29,10 @@ Summary (printed last and in OUT/validation.json): the median absolute relative 
 predicted against measured time over the held-out configurations and schedules; among the
 held-out configurations where the faster of s1 and s2 beats the other by more than 5%, the
 share where auto chose it. OUT/validation.png plots predicted against measured.
+
+--nodes N spreads the ranks over N emulated nodes (tools/emulated_cluster.py, as root) with
+--inter-node-bandwidth between them: calibration then fits intra- and inter-node collectives
+separately, and the layouts' EP (and DP) groups cross the shaped link.
 """
 
 from __future__ import annotations
@@ -313,6 +317,18 @@ def write_png(result: dict, path: str) -> str:
     return path
 
 
+def _tool(args, script: str, *tool_args) -> list:
+    """The command line that runs a tool on --nproc ranks: on this machine, or across
+    --nodes emulated nodes (tools/emulated_cluster.py) with the tool as every rank."""
+    if args.nodes == 1:
+        return [sys.executable, os.path.join(TOOLS, script), "--nproc", str(args.nproc),
+                *tool_args]
+    return [sys.executable, os.path.join(TOOLS, "emulated_cluster.py"), "--nodes",
+            str(args.nodes), "--procs-per-node", str(args.nproc // args.nodes),
+            "--inter-node-bandwidth", args.inter_node_bandwidth, "--log-dir",
+            os.path.join(args.out_dir, "nodes"), "--", os.path.join(TOOLS, script), *tool_args]
+
+
 def _run(command: list, what: str) -> None:
     print(f"$ {' '.join(command)}", flush=True)
     status = subprocess.call(command)
@@ -338,7 +354,15 @@ def parse(argv):
                         "measuring again")
     p.add_argument("--limit", type=int, default=None,
                    help="only the first N configurations of the grid (a quick look)")
-    return p.parse_args(argv)
+    p.add_argument("--nodes", type=int, default=1,
+                   help="spread the --nproc ranks over this many emulated nodes (needs root; "
+                        "tools/emulated_cluster.py), MP and ESP groups inside a node")
+    p.add_argument("--inter-node-bandwidth", default="200mbit",
+                   help="with --nodes > 1: the emulated link rate between nodes")
+    args = p.parse_args(argv)
+    if args.nodes < 1 or args.nproc % args.nodes:
+        p.error(f"--nproc {args.nproc} must be a multiple of --nodes {args.nodes}")
+    return args
 
 
 def main(argv=None) -> int:
@@ -347,10 +371,12 @@ def main(argv=None) -> int:
     out = lambda name: os.path.join(args.out_dir, name)  # noqa: E731
     profile_path = args.profile or out("profile_calibrated.json")
     if not args.profile:
-        _run([sys.executable, os.path.join(TOOLS, "calibrate_comm.py"), "--nproc",
-              str(args.nproc), "--group-size", str(args.group_size), "--repeats", "15",
-              "--calls", "8", "--output", profile_path],
-             "calibration")
+        timing = ["--repeats", "15", "--calls", "8"]
+        if args.nodes > 1:  # smaller messages and fewer calls: the shaped link is slow
+            timing = ["--repeats", "7", "--calls", "2", "--sizes",
+                      ",".join(str(65536 << i) for i in range(6))]
+        _run(_tool(args, "calibrate_comm.py", "--group-size", str(args.group_size), *timing,
+                   "--output", profile_path), "calibration")
     profile = Profile.from_json(profile_path)
 
     configs = grid()[:args.limit]
@@ -371,9 +397,8 @@ def main(argv=None) -> int:
                 json.dump([{"name": n, "argv": config_argv(*c) + timing} for n, c in entries],
                           f, indent=1)
             rounds.append(out(f"bench_{r}.json"))
-            _run([sys.executable, os.path.join(TOOLS, "bench_moe_layer.py"), "--nproc",
-                  str(args.nproc), "--configs", out(f"configs_{r}.json"), "--json",
-                  rounds[-1]], f"bench_moe_layer round {r + 1}")
+            _run(_tool(args, "bench_moe_layer.py", "--configs", out(f"configs_{r}.json"),
+                       "--json", rounds[-1]), f"bench_moe_layer round {r + 1}")
     runs = merge_rounds(rounds)
 
     result = evaluate(runs, profile, fit_names)

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Run a Python entry point under torchrun on this node, as one node of a multi-node job.
+#
+#   bash scripts/launch.sh SCRIPT [ARGS...]
+#
+# The job's shape comes from the environment, the same on every node except NODE_RANK:
+#   NNODES (1), NODE_RANK (0), NPROC_PER_NODE (4), MASTER_ADDR (127.0.0.1), MASTER_PORT (29500)
+# torchrun numbers the ranks node by node (node r holds ranks r*NPROC_PER_NODE ...), which is
+# what Megatron's group order expects: MP groups inside a node, EP and DP across nodes.
+# scripts/train_gpt_moe.sh and the slurm script call this; tools/emulated_cluster.py runs it in
+# every emulated node. Set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to pick the network.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ $# -lt 1 ]; then
+    echo "usage: bash scripts/launch.sh SCRIPT [ARGS...]" >&2
+    exit 2
+fi
+PYTHON=${PYTHON:-python}
+
+exec "$PYTHON" -m torch.distributed.run \
+    --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \
+    --nproc-per-node "${NPROC_PER_NODE:-4}" \
+    --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}" \
+    "$@"

@@ -1,0 +1,316 @@
+"""sudo python tools/emulated_cluster.py --nodes 2 --procs-per-node 2 --inter-node-bandwidth 200mbit -- SCRIPT [ARGS...]
+
+Runs SCRIPT on an emulated multi-node cluster on this one machine, through the project's
+multi-node launcher (scripts/launch.sh, torchrun), exactly as on a real cluster:
+
+- every node is a Linux network namespace with its own loopback (its ranks talk over it, at
+  memory speed) and one veth link to a bridge that joins the nodes;
+- each node's egress on that link is shaped with a tbf qdisc to --inter-node-bandwidth, so
+  traffic between nodes flows at cluster-like rates (an optional --inter-node-latency needs the
+  kernel's netem qdisc and is refused where it is missing);
+- node i gets 198.18.0.(i+1)/24 (198.18.0.0/15 is reserved for network benchmarks, RFC 2544);
+  node 0 is the master. Its launcher runs with NNODES, NODE_RANK, NPROC_PER_NODE, MASTER_ADDR,
+  MASTER_PORT and GLOO_SOCKET_IFNAME (the node's veth) set, so gloo binds to the emulated
+  network and nothing leaves the namespaces.
+
+Node 0's output (ranks 0 .. P-1) streams to this terminal; every node's output is kept in
+--log-dir/node<i>.log. The exit status is the first failing node's (0 when all succeed); when a
+node fails, the others get --grace seconds to notice, then are stopped. Everything created
+(namespaces, links, bridge) is removed on exit, also after a failure or Ctrl-C.
+
+Needs root and iproute2 (`ip netns`, `tc`); anything else is refused with a message. Examples:
+
+    # calibrate intra- and inter-node collectives (LOCAL_WORLD_SIZE tells it the node size)
+    python tools/emulated_cluster.py --nodes 2 --procs-per-node 2 --inter-node-bandwidth 200mbit \\
+        -- tools/calibrate_comm.py --output runs/emulated/profile.json
+    # the MoE layer benchmark with MP inside a node and EP across nodes
+    python tools/emulated_cluster.py --nodes 2 --procs-per-node 2 --inter-node-bandwidth 200mbit \\
+        -- tools/bench_moe_layer.py --tensor-model-parallel-size 2 --expert-model-parallel-size 2 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUBNET = "198.18.0"
+RATE = re.compile(r"^(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)$", re.I)
+DELAY = re.compile(r"^\d+(\.\d+)?(us|ms|s)$", re.I)
+
+
+def rate_bytes_per_s(rate: str) -> float:
+    """A tc rate ("200mbit", "1gbit", "25mbps") in bytes per second (tc's units: bit rates
+    and byte rates, decimal prefixes)."""
+    number, prefix, unit = RATE.match(rate).groups()
+    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[prefix.lower()]
+    return float(number) * scale / (8 if unit.lower() == "bit" else 1)
+
+
+class ClusterError(RuntimeError):
+    """The emulated cluster cannot be set up here; the message says why."""
+
+
+def _run(*command, check=True, namespace=None) -> subprocess.CompletedProcess:
+    if namespace:
+        command = ("ip", "netns", "exec", namespace, *command)
+    result = subprocess.run(command, capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise ClusterError(f"`{' '.join(command)}` failed: {result.stderr.strip()}")
+    return result
+
+
+def check_host(latency: str | None) -> None:
+    """Refuse clearly where namespaces or shaping cannot work."""
+    if os.geteuid() != 0:
+        raise ClusterError("network namespaces need root: run as root (e.g. with sudo)")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise ClusterError(f"`{tool}` (iproute2) is not installed")
+    if _run("ip", "netns", "list", check=False).returncode != 0:
+        raise ClusterError("`ip netns` does not work on this machine")
+    if latency and not _has_netem():
+        raise ClusterError(f"--inter-node-latency {latency} needs the kernel's netem qdisc, "
+                           "which this kernel lacks; leave the latency out")
+
+
+def _has_netem() -> bool:
+    probe = f"ptnetem{os.getpid() % 100000}"
+    try:
+        _run("ip", "netns", "add", probe)
+        return _run("tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms",
+                    check=False, namespace=probe).returncode == 0
+    finally:
+        _run("ip", "netns", "del", probe, check=False)
+
+
+class Cluster:
+    """N namespaces on one bridge; use as a context manager (teardown on exit, always)."""
+
+    def __init__(self, nodes: int, rate: str, latency: str | None = None, tag: str | None = None):
+        self.nodes, self.rate, self.latency = nodes, rate, latency
+        # tbf's bucket: 10 ms of traffic (at least 64 KiB). A bucket smaller than what the rate
+        # sends between two timer ticks caps the throughput below the rate (with 64 KiB a
+        # 200mbit link carried 17.7 MB/s of AlltoAll; with 250 KB, 23.9 of the 25).
+        self.burst = str(max(65536, int(rate_bytes_per_s(rate) / 100)))
+        self.tag = tag or f"pt{os.getpid() % 100000}"  # names fit Linux's 15 characters
+        self.bridge = f"{self.tag}br"
+        self.namespaces = [f"{self.tag}n{i}" for i in range(nodes)]
+        self.created = []  # ("netns" | "link" | "dir", name), in creation order
+
+    def address(self, node: int) -> str:
+        return f"{SUBNET}.{node + 1}"
+
+    def device(self, node: int) -> str:
+        return f"{self.tag}v{node}"
+
+    def __enter__(self) -> "Cluster":
+        try:
+            self._create()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.teardown()
+
+    def _create(self) -> None:
+        _run("ip", "link", "add", self.bridge, "type", "bridge")
+        self.created.append(("link", self.bridge))
+        _run("ip", "link", "set", self.bridge, "up")
+        hosts = "127.0.0.1 localhost\n" + "".join(
+            f"{self.address(i)} {ns}\n" for i, ns in enumerate(self.namespaces))
+        for i, ns in enumerate(self.namespaces):
+            # `ip netns exec` shows /etc/netns/NS/hosts as /etc/hosts: the nodes resolve each
+            # other's addresses (torch's store looks the peers' names up)
+            etc = os.path.join("/etc/netns", ns)
+            os.makedirs(etc, exist_ok=True)
+            self.created.append(("dir", etc))
+            with open(os.path.join(etc, "hosts"), "w") as f:
+                f.write(hosts)
+            _run("ip", "netns", "add", ns)
+            self.created.append(("netns", ns))
+            host_end, node_end = f"{self.tag}h{i}", self.device(i)
+            _run("ip", "link", "add", host_end, "type", "veth", "peer", "name", node_end)
+            self.created.append(("link", host_end))
+            _run("ip", "link", "set", node_end, "netns", ns)
+            _run("ip", "link", "set", host_end, "master", self.bridge)
+            _run("ip", "link", "set", host_end, "up")
+            _run("ip", "link", "set", "lo", "up", namespace=ns)
+            _run("ip", "addr", "add", f"{self.address(i)}/24", "dev", node_end, namespace=ns)
+            _run("ip", "link", "set", node_end, "up", namespace=ns)
+            # egress of the node onto the "network": tbf, and netem under it for a latency
+            shape = ["tc", "qdisc", "add", "dev", node_end, "root", "handle", "1:", "tbf",
+                     "rate", self.rate, "burst", self.burst, "latency", "400ms"]
+            _run(*shape, namespace=ns)
+            if self.latency:
+                _run("tc", "qdisc", "add", "dev", node_end, "parent", "1:1", "handle", "10:",
+                     "netem", "delay", self.latency, namespace=ns)
+
+    def teardown(self) -> None:
+        """Stop whatever still runs in the namespaces, then remove all this object made."""
+        for kind, name in reversed(self.created):
+            if kind == "netns":
+                pids = _run("ip", "netns", "pids", name, check=False).stdout.split()
+                for pid in pids:
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except (ProcessLookupError, ValueError):
+                        pass
+                _run("ip", "netns", "del", name, check=False)
+            elif kind == "dir":
+                shutil.rmtree(name, ignore_errors=True)
+            else:
+                _run("ip", "link", "del", name, check=False)
+        self.created.clear()
+
+
+def node_env(cluster: Cluster, node: int, procs: int, port: int) -> dict:
+    env = dict(os.environ)
+    env.update(NNODES=str(cluster.nodes), NODE_RANK=str(node), NPROC_PER_NODE=str(procs),
+               MASTER_ADDR=cluster.address(0), MASTER_PORT=str(port),
+               GLOO_SOCKET_IFNAME=cluster.device(node), NCCL_SOCKET_IFNAME=cluster.device(node),
+               PYTHON=env.get("PYTHON", sys.executable), PYTHONUNBUFFERED="1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _pump(stream, log, echo) -> None:
+    for line in iter(stream.readline, ""):
+        log.write(line)
+        log.flush()
+        if echo:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+
+def run_on_cluster(cluster: Cluster, procs: int, command: list, log_dir: str, port: int,
+                   grace: float) -> int:
+    os.makedirs(log_dir, exist_ok=True)
+    launcher = ["bash", os.path.join(ROOT, "scripts", "launch.sh"), *command]
+    children, pumps, logs = [], [], []
+    for node, ns in enumerate(cluster.namespaces):
+        logs.append(open(os.path.join(log_dir, f"node{node}.log"), "w"))
+        child = subprocess.Popen(["ip", "netns", "exec", ns, *launcher], cwd=ROOT,
+                                 env=node_env(cluster, node, procs, port), text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        children.append(child)
+        pump = threading.Thread(target=_pump, args=(child.stdout, logs[-1], node == 0),
+                                daemon=True)
+        pump.start()
+        pumps.append(pump)
+    failures, stopped, first_failure = [], set(), None  # (node, status) in order of failing
+    try:
+        while any(c.poll() is None for c in children):
+            for node, c in enumerate(children):
+                if c.poll() not in (None, 0) and node not in dict(failures):
+                    failures.append((node, c.returncode))
+                    first_failure = first_failure or time.monotonic()
+            if first_failure and time.monotonic() - first_failure > grace:
+                for node, c in enumerate(children):
+                    if c.poll() is None:
+                        stopped.add(node)
+                        os.killpg(c.pid, signal.SIGTERM)
+                break
+            time.sleep(0.2)
+        for c in children:
+            try:
+                c.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(c.pid, signal.SIGKILL)
+                c.wait()
+        for pump in pumps:
+            pump.join(timeout=5)
+    finally:
+        for c in children:
+            if c.poll() is None:
+                os.killpg(c.pid, signal.SIGKILL)
+        for log in logs:
+            log.close()
+    for node, c in enumerate(children):
+        if c.returncode != 0 and node not in dict(failures) and node not in stopped:
+            failures.append((node, c.returncode))
+    for node, code in failures:
+        print(f"emulated_cluster: node {node} exited with {code} "
+              f"(log {os.path.join(log_dir, f'node{node}.log')})", file=sys.stderr)
+    if stopped:
+        print(f"emulated_cluster: stopped node(s) {sorted(stopped)} {grace:g} s after the first "
+              "failure", file=sys.stderr)
+    if not failures:
+        return 0
+    code = failures[0][1]
+    return code if code > 0 else 128 - code
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                usage="%(prog)s [options] -- SCRIPT [ARGS...]")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--procs-per-node", type=int, default=2)
+    p.add_argument("--inter-node-bandwidth", default="200mbit",
+                   help="tc rate of every node's egress, e.g. 200mbit, 1gbit (default 200mbit)")
+    p.add_argument("--inter-node-latency", default=None,
+                   help="added one-way delay, e.g. 1ms (needs netem)")
+    p.add_argument("--master-port", type=int, default=29500)
+    p.add_argument("--log-dir", default="runs/emulated_cluster")
+    p.add_argument("--grace", type=float, default=30.0,
+                   help="seconds the other nodes get to exit after one fails")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...] after --")
+    args = p.parse_args(argv)
+    if args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    if not args.command:
+        p.error("give the command after --, e.g. -- pretrain_gpt_moe.py --tensor-model-parallel-size 2 ...")
+    if args.nodes < 1 or args.procs_per_node < 1:
+        p.error("--nodes and --procs-per-node must be at least 1")
+    if args.nodes > 250:
+        p.error("--nodes: at most 250")
+    if not RATE.match(args.inter_node_bandwidth):
+        p.error(f"--inter-node-bandwidth {args.inter_node_bandwidth!r}: a tc rate such as "
+                "200mbit or 1gbit")
+    if args.inter_node_latency and not DELAY.match(args.inter_node_latency):
+        p.error(f"--inter-node-latency {args.inter_node_latency!r}: a delay such as 1ms")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    try:
+        check_host(args.inter_node_latency)
+    except ClusterError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)
+    try:
+        with Cluster(args.nodes, args.inter_node_bandwidth, args.inter_node_latency) as cluster:
+            print(f"emulated_cluster: {args.nodes} nodes x {args.procs_per_node} ranks, "
+                  f"{args.inter_node_bandwidth} between nodes"
+                  + (f", {args.inter_node_latency} latency" if args.inter_node_latency else "")
+                  + f", master {cluster.address(0)}:{args.master_port}; logs in {args.log_dir}",
+                  flush=True)
+            return run_on_cluster(cluster, args.procs_per_node, args.command, args.log_dir,
+                                  args.master_port, args.grace)
+    except ClusterError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("emulated_cluster: interrupted; removed the emulated cluster", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

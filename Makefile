@@ -1,4 +1,5 @@
 # make demo   installs everything (.venv), builds the demo data, trains a small MoE GPT on 4 CPU ranks
+# make demo-bert  the same for a small MoE BERT (sentence-level data, masked LM + sentence order)
 # make test   installs everything, then runs the test suite
 PYTHON ?= python3.11
 VENV   := .venv
@@ -6,7 +7,7 @@ PY     := $(VENV)/bin/python
 DATA   := data/demo
 NPROC  ?= 4
 
-.PHONY: setup data demo test clean-demo
+.PHONY: setup data data-bert demo demo-bert test clean-demo
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,11 +33,22 @@ $(DATA)/corpus_text_document.idx: $(DATA)/corpus.jsonl $(DATA)/tokenizer.model
 
 data: $(DATA)/corpus_text_document.idx
 
+# BERT reads one sequence per sentence; the tokenizer already holds [CLS], [SEP], [MASK], <pad>
+$(DATA)/corpus_text_sentence.idx: $(DATA)/corpus.jsonl $(DATA)/tokenizer.model
+	$(PY) tools/preprocess_data.py --input $(DATA)/corpus.jsonl --json-keys text \
+		--output-prefix $(DATA)/corpus --tokenizer-type SentencePieceTokenizer \
+		--tokenizer-model $(DATA)/tokenizer.model --split-sentences --workers 2
+
+data-bert: $(DATA)/corpus_text_sentence.idx
+
 demo: setup data
 	PYTHON=$(PY) NPROC=$(NPROC) bash scripts/demo_gpt_moe.sh
+
+demo-bert: setup data-bert
+	PYTHON=$(PY) NPROC=$(NPROC) bash scripts/demo_bert_moe.sh
 
 test: setup
 	$(PY) -m pytest -q tests
 
 clean-demo:
-	rm -rf $(DATA) runs/demo
+	rm -rf $(DATA) runs/demo runs/demo_bert

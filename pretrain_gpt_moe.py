@@ -17,9 +17,8 @@ from functools import partial
 import torch
 
 from parm_trainer.data.gpt_datasets import build_gpt_datasets
-from parm_trainer.data.tokenizer import build_tokenizer
-from parm_trainer.models.config import padded_vocab_size
 from parm_trainer.models.gpt import build_gpt_moe
+from parm_trainer.training.data import batch_to_device
 from parm_trainer.training.initialize import initialize, user_errors
 from parm_trainer.training.loop import pretrain
 
@@ -43,12 +42,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    tokens = batch["tokens"].to(device, non_blocking=True)
-    labels = batch["labels"].to(device, non_blocking=True)
-    loss_mask = batch["loss_mask"].to(device, non_blocking=True)
-    position_ids = batch["position_ids"].to(device, non_blocking=True)
+    tokens, labels, loss_mask, position_ids = batch_to_device(
+        next(data_iterator), "tokens", "labels", "loss_mask", "position_ids")
     output = model(tokens, position_ids, None, labels=labels)
     return output, partial(loss_func, loss_mask)
 
@@ -56,9 +51,6 @@ def forward_step(data_iterator, model):
 def main(argv=None):
     with user_errors():
         args = initialize(argv)
-        args.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
-        args.padded_vocab_size = padded_vocab_size(args.tokenizer.vocab_size,
-                                                   args.tensor_model_parallel_size)
         pretrain(args, model_provider, datasets_provider, forward_step)
 
 

@@ -89,3 +89,27 @@ def launch(nproc: int, args: list, tmp_path: Path, timeout: float = 300,
     seconds = time.monotonic() - start
     losses = json.loads(losses_json.read_text()) if losses_json.exists() else []
     return Run(result.returncode, result.stdout + result.stderr, seconds, losses)
+
+
+def max_relative(got, expected) -> float:
+    """Largest relative difference between two equally long lists of numbers."""
+    return max(abs(x - y) / abs(y) for x, y in zip(got, expected))
+
+
+LAUNCH_LIMIT_S = 30  # bad input must end every rank well within this
+
+
+def error_lines(output: str) -> list:
+    return [line for line in output.splitlines() if line.startswith("error")]
+
+
+def assert_clean_failure(run: Run, *needles):
+    """Bad input: non-zero exit, fast, an `error...` line naming each needle, no traceback."""
+    assert run.returncode != 0, run.output[-3000:]
+    assert run.seconds < LAUNCH_LIMIT_S, f"took {run.seconds:.1f}s"
+    lines = error_lines(run.output)
+    assert lines, run.output[-3000:]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    # torchrun prints its own summary; the ranks themselves print no traceback
+    assert "]: Traceback" not in run.output, run.output[-3000:]

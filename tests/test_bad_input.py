@@ -6,24 +6,7 @@ import shutil
 
 import pytest
 
-from conftest import launch, tiny_gpt_args
-
-LAUNCH_LIMIT_S = 30
-
-
-def _error_lines(output: str) -> list:
-    return [line for line in output.splitlines() if line.startswith("error")]
-
-
-def _assert_clean_failure(run, *needles):
-    assert run.returncode != 0, run.output[-3000:]
-    assert run.seconds < LAUNCH_LIMIT_S, f"took {run.seconds:.1f}s"
-    lines = _error_lines(run.output)
-    assert lines, run.output[-3000:]
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    # torchrun prints its own summary; the ranks themselves print no traceback
-    assert "]: Traceback" not in run.output, run.output[-3000:]
+from conftest import assert_clean_failure, error_lines, launch, tiny_gpt_args
 
 
 @pytest.mark.parametrize("case,flags,needles", [
@@ -34,7 +17,7 @@ def _assert_clean_failure(run, *needles):
 ])
 def test_impossible_layout(case, flags, needles, gpt_data, tmp_path):
     run = launch(4, tiny_gpt_args(gpt_data, **flags), tmp_path, timeout=120)
-    _assert_clean_failure(run, *needles)
+    assert_clean_failure(run, *needles)
 
 
 def test_malformed_cost_profile(gpt_data, tmp_path):
@@ -43,13 +26,13 @@ def test_malformed_cost_profile(gpt_data, tmp_path):
     run = launch(4, tiny_gpt_args(gpt_data, **{"moe-parm-schedule": "auto",
                                                "moe-parm-cost-profile": profile}),
                  tmp_path, timeout=120)
-    _assert_clean_failure(run, str(profile), "collectives must have exactly the kinds")
+    assert_clean_failure(run, str(profile), "collectives must have exactly the kinds")
 
 
 def test_missing_data_path(gpt_data, tmp_path):
     run = launch(4, tiny_gpt_args(gpt_data, **{"data-path": tmp_path / "nowhere"}), tmp_path,
                  timeout=120)
-    _assert_clean_failure(run, "--data-path", "nowhere")
+    assert_clean_failure(run, "--data-path", "nowhere")
 
 
 def test_no_data_path_flag(gpt_data, tmp_path):
@@ -57,7 +40,7 @@ def test_no_data_path_flag(gpt_data, tmp_path):
     at = args.index("--data-path")
     del args[at:at + 2]
     run = launch(4, args, tmp_path, timeout=120)
-    _assert_clean_failure(run, "--data-path is required")
+    assert_clean_failure(run, "--data-path is required")
 
 
 def test_corrupt_idx(gpt_data, tmp_path):
@@ -66,7 +49,7 @@ def test_corrupt_idx(gpt_data, tmp_path):
     idx = open(gpt_data["prefix"] + ".idx", "rb").read()
     open(str(prefix) + ".idx", "wb").write(idx[: len(idx) // 2])  # truncated
     run = launch(4, tiny_gpt_args(gpt_data, **{"data-path": prefix}), tmp_path, timeout=120)
-    _assert_clean_failure(run, "corrupt_text_document.idx")
+    assert_clean_failure(run, "corrupt_text_document.idx")
 
 
 def test_nan_loss_stops_before_the_update(gpt_data, tmp_path):
@@ -76,7 +59,7 @@ def test_nan_loss_stops_before_the_update(gpt_data, tmp_path):
              "save-interval": 1}
     run = launch(1, tiny_gpt_args(gpt_data, **flags), tmp_path, timeout=120)
     assert run.returncode != 0
-    line = _error_lines(run.output)[0]
+    line = error_lines(run.output)[0]
     assert "loss is" in line and "no update was applied" in line, line
     # every checkpoint written before the failure is whole, and the tracker names one of them
     latest = (ckpt / "latest_checkpointed_iteration.txt").read_text()
@@ -96,4 +79,4 @@ def test_corrupt_checkpoint(gpt_data, tmp_path):
         shard.write_bytes(b"not a checkpoint")
     run = launch(1, tiny_gpt_args(gpt_data, **{"train-iters": 4, "load": ckpt}), tmp_path,
                  timeout=120)
-    _assert_clean_failure(run, "--load", "cannot read checkpoint")
+    assert_clean_failure(run, "--load", "cannot read checkpoint")

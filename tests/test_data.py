@@ -221,8 +221,10 @@ def test_split_sentences(work, corpus, model_file, preprocess, docs):
 
 def test_sentence_splitter(preprocess):
     text = 'One sentence. "Two?" Three e.g. four!\n\nfive (lower case) ends. 6 starts.'
-    assert preprocess.split_sentences(text) == [
-        "One sentence.", '"Two?"', "Three e.g. four!", "five (lower case) ends.", "6 starts."]
+    sentences = preprocess.split_sentences(text)
+    assert sentences == ["One sentence.", ' "Two?"', " Three e.g. four!",
+                         "\n\nfive (lower case) ends.", " 6 starts."]
+    assert "".join(sentences) == text  # lossless: sentences tokenize as inside the document
 
 
 @pytest.mark.parametrize("line, message", [

@@ -7,7 +7,7 @@ and PP2 must agree to floating-point reordering. Each launch checks a whole layo
 
 import pytest
 
-from conftest import launch, tiny_gpt_args
+from conftest import launch, max_relative, tiny_gpt_args
 
 TP2_EP2_ESP2_SP = {"tensor-model-parallel-size": 2, "expert-model-parallel-size": 2,
                    "expert-tensor-parallel-size": 2, "sequence-parallel": True}
@@ -34,10 +34,6 @@ def reference(gpt_data, tmp_path_factory):
     return run
 
 
-def _relative(a, b):
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_first_five_losses_match_single_rank(layout, reference, gpt_data, tmp_path):
     nproc, flags = LAYOUTS[layout]
@@ -45,13 +41,18 @@ def test_first_five_losses_match_single_rank(layout, reference, gpt_data, tmp_pa
     assert run.returncode == 0, run.output[-4000:]
     expected, got = reference.loss(), run.loss()
     assert len(got) == len(expected) == 5
-    assert _relative(got, expected) < 1e-4, (got, expected)
+    assert max_relative(got, expected) < 1e-4, (got, expected)
     # the load-balancing loss is part of the same function
-    assert _relative(run.loss("load_balancing_loss"),
-                     reference.loss("load_balancing_loss")) < 1e-4
+    assert max_relative(run.loss("load_balancing_loss"),
+                        reference.loss("load_balancing_loss")) < 1e-4
+    # the routers sent every expert the same tokens (counts summed over the ranks)
+    assert run.loss("tokens per expert") == reference.loss("tokens per expert")
 
 
 def test_reference_learns(reference):
     """Guards the comparison above against a model that does nothing."""
     losses = reference.loss()
     assert losses[-1] < losses[0] - 0.01, losses
+    # dropless top-2: each MoE layer assigns every token of the global batch (8 x 64) twice
+    for table in reference.loss("tokens per expert"):
+        assert [sum(row) for row in table] == [8 * 64 * 2] * 2, table

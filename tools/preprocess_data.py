@@ -7,7 +7,16 @@ Pass ``{PREFIX}_{key}_document`` to the trainer's --data-path.
 Every document becomes one sequence (with --append-eod, followed by the
 tokenizer's eod id). With --split-sentences every sentence is its own
 sequence and the document boundary is kept in the index (eod, if asked for,
-ends the last sentence); that is the layout BERT-style datasets expect.
+ends the last sentence); that is the layout BERT-style datasets expect
+(pretrain_bert_moe.py takes ``{PREFIX}_{key}_sentence``).
+
+The sentence splitter is deliberately simple and needs no download: a
+sentence ends at '.', '!' or '?' (optionally followed by closing quotes or
+brackets) when whitespace and then an upper-case letter, digit, quote or
+bracket follow; a blank line always ends one. Each sentence keeps the
+whitespace before it, so a document's sentences joined give back its text
+and tokenize as they do inside it. Abbreviations ("e.g. Python") are split
+wrongly; that is acceptable for building BERT's sentence pairs.
 
 Lines are tokenized by --workers processes, but documents are written in
 input order, so the output is byte-identical for any worker count. Files are
@@ -34,23 +43,21 @@ with warnings.catch_warnings():
 from parm_trainer.data.jsonl import parse_record  # noqa: E402
 from parm_trainer.data.tokenizer import build_tokenizer  # noqa: E402
 
-# A deliberately simple sentence splitter (no model download): a sentence ends
-# at '.', '!' or '?' (optionally followed by closing quotes or brackets) when
-# whitespace and then an upper-case letter, digit, quote or bracket follow; a
-# blank line always ends one. Abbreviations such as "e.g. Python" are split
-# wrongly; that is acceptable for building BERT-style sentence pairs.
+# The sentence splitter described in the docstring above.
 SENTENCE_END = re.compile(r"""(?<=[.!?])["')\]]*\s+(?=["'(\[]?[A-Z0-9])|\n\s*\n""")
 
 
 def split_sentences(text):
-    """Split text into stripped, non-empty sentences."""
+    """Split text into sentences, each with the whitespace before it; pieces holding only
+    whitespace are dropped, so "".join(split_sentences(text)) is text up to such pieces."""
     pieces = []
     start = 0
     for match in SENTENCE_END.finditer(text):
-        pieces.append(text[start:match.start()] + match.group(0).rstrip())
-        start = match.end()
+        end = match.start() + len(match.group(0).rstrip())  # closing quotes stay with it
+        pieces.append(text[start:end])
+        start = end
     pieces.append(text[start:])
-    return [p.strip() for p in pieces if p.strip()]
+    return [p for p in pieces if p.strip()]
 
 
 class Encoder:
@@ -184,7 +191,10 @@ def parse_args(argv=None):
     group.add_argument("--json-keys", nargs="+", default=["text"],
                        help="keys to extract; one dataset per key (default: text)")
     group.add_argument("--split-sentences", action="store_true",
-                       help="one sequence per sentence (for BERT-style datasets)")
+                       help="one sequence per sentence, document boundaries kept (for BERT); "
+                            "a sentence ends at . ! or ? before whitespace and an upper-case "
+                            "letter, digit, quote or bracket, or at a blank line; writes "
+                            "PREFIX_{key}_sentence")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
                        help="only SentencePieceTokenizer is supported")
@@ -193,7 +203,8 @@ def parse_args(argv=None):
                        help="append the end-of-document token to every document")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True,
-                       help="writes PREFIX_{key}_document.bin/.idx")
+                       help="writes PREFIX_{key}_document.bin/.idx (_sentence with "
+                            "--split-sentences)")
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     group.add_argument("--chunksize", type=int, default=32,

@@ -6,6 +6,8 @@
 
 Each sample is a dict of torch tensors: tokens, labels (tokens shifted left by
 one), loss_mask, position_ids and attention_mask.
+
+The --data-path parsing, index checks and builder call here are shared with bert_datasets.py.
 """
 
 import contextlib
@@ -59,7 +61,8 @@ def _is_number(word):
 
 
 def check_indexed_dataset(prefix):
-    """Raise a clear error unless prefix.bin/.idx look like a valid dataset.
+    """Raise a clear error unless prefix.bin/.idx look like a valid dataset; returns its
+    (sequences, documents) counts (equal unless tools/preprocess_data.py --split-sentences).
 
     megatron.core checks the index with asserts (skipped under python -O) or
     not at all, and a truncated file otherwise surfaces as an opaque numpy or
@@ -109,19 +112,24 @@ def check_indexed_dataset(prefix):
     if bin_size < bin_needed:
         raise DataError(f"{bin_path} is truncated ({bin_size} bytes, its index needs "
                          f"{bin_needed}); {PREPROCESS_HINT}")
-    return num_seqs
+    return num_seqs, num_docs - 1  # the index stores num_docs + 1 document boundaries
 
 
-def _check_splits_not_empty(prefix, num_seqs, split_matrix, num_samples):
+def split_ranges(num_elements, split_matrix, num_samples):
+    """(split, begin, end) of each split samples are asked from, as megatron.core's builder
+    cuts num_elements (GPT: sequences, BERT: documents) by the normalised --split."""
+    for split, bookends, samples in zip(Split, split_matrix, num_samples):
+        if bookends is not None and samples is not None:
+            yield (split, int(round(bookends[0] * num_elements)),
+                   int(round(bookends[1] * num_elements)))
+
+
+def check_splits_not_empty(prefix, num_docs, split_matrix, num_samples):
     """megatron.core loops forever when asked for samples from a split that
     received no documents, so refuse that up front."""
-    for split, bookends, samples in zip(Split, split_matrix, num_samples):
-        if bookends is None or samples is None:
-            continue
-        begin = int(round(bookends[0] * num_seqs))
-        end = int(round(bookends[1] * num_seqs))
+    for split, begin, end in split_ranges(num_docs, split_matrix, num_samples):
         if end <= begin:
-            raise DataError(f"{prefix} has {num_seqs} documents, too few to give the "
+            raise DataError(f"{prefix} has {num_docs} documents, too few to give the "
                              f"{split.name} split any under the split {split_matrix}; "
                              f"use more data or another --split")
 
@@ -145,6 +153,21 @@ def _rank_zero_without_distributed():
         torch.distributed.get_rank = get_rank
 
 
+def common_config(data_path, split, seq_length, seed, tokenizer, data_cache_path) -> dict:
+    """The BlendedMegatronDatasetConfig fields GPT and BERT datasets share."""
+    return dict(random_seed=seed, sequence_length=seq_length,
+                blend=parse_data_path(data_path), split=split, tokenizer=tokenizer,
+                path_to_cache=data_cache_path, mid_level_dataset_surplus=0.005)
+
+
+def build_splits(dataset_class, config, num_samples):
+    """(train, valid, test) of dataset_class through megatron.core's builder; with
+    torch.distributed initialized every rank must call it (see build_gpt_datasets)."""
+    builder = BlendedMegatronDatasetBuilder(dataset_class, list(num_samples), lambda: True, config)
+    with _rank_zero_without_distributed():
+        return builder.build()
+
+
 def build_gpt_datasets(data_path, split, seq_length, seed, tokenizer, num_samples,
                        data_cache_path=None):
     """Build (train, valid, test) GPTDatasets; a split with weight 0 is None.
@@ -160,25 +183,14 @@ def build_gpt_datasets(data_path, split, seq_length, seed, tokenizer, num_sample
     call this: rank 0 builds the indices first and the others then load them
     (megatron.core synchronizes with barriers).
     """
-    prefixes, weights = parse_data_path(data_path)
-    num_seqs = {prefix: check_indexed_dataset(prefix) for prefix in prefixes}
     config = GPTDatasetConfig(
-        random_seed=seed,
-        sequence_length=seq_length,
-        blend=(prefixes, weights),
-        split=split,
-        tokenizer=tokenizer,
+        **common_config(data_path, split, seq_length, seed, tokenizer, data_cache_path),
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
         create_attention_mask=False,  # causal masking happens inside the model
-        path_to_cache=data_cache_path,
-        mid_level_dataset_surplus=0.005,
     )
-    for prefix in prefixes:
-        _check_splits_not_empty(prefix, num_seqs[prefix], config.split_matrix, num_samples)
-    builder = BlendedMegatronDatasetBuilder(
-        GPTDataset, list(num_samples), lambda: True, config)
-    with _rank_zero_without_distributed():
-        train, valid, test = builder.build()
-    return train, valid, test
+    for prefix in config.blend[0]:
+        num_seqs, _ = check_indexed_dataset(prefix)
+        check_splits_not_empty(prefix, num_seqs, config.split_matrix, num_samples)
+    return build_splits(GPTDataset, config, num_samples)

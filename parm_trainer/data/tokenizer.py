@@ -104,6 +104,12 @@ class SentencePieceTokenizer(MegatronLegacyTokenizer):
     def has_bert_special_tokens(self) -> bool:
         return all(self._symbol_id(s) is not None for s in BERT_SYMBOLS)
 
+    def missing_bert_tokens(self) -> list[str]:
+        """The special tokens BERT samples need ([CLS], [SEP], [MASK] and a pad) that this
+        model lacks; empty for models from tools/train_tokenizer.py."""
+        missing = [s for s in BERT_SYMBOLS if self._symbol_id(s) is None]
+        return missing + (["<pad>"] if self._sp.pad_id() < 0 else [])
+
     def _bert_symbol(self, symbol: str) -> int:
         i = self._symbol_id(symbol)
         if i is None:

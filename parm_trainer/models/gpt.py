@@ -45,11 +45,11 @@ def use_parm_moe_layer(layer_spec: ModuleSpec, schedule: str, chunks: int) -> No
             params={**(mlp.params or {}), "schedule": schedule, "chunks": chunks})
 
 
-def build_gpt_moe(args: argparse.Namespace, config: TransformerConfig, vocab_size: int,
-                  pre_process: bool = True, post_process: bool = True) -> GPTModel:
-    return GPTModel(
+def language_model_kwargs(args: argparse.Namespace, config: TransformerConfig,
+                          vocab_size: int, pre_process: bool, post_process: bool) -> dict:
+    """The constructor arguments megatron's GPTModel and BertModel share."""
+    return dict(
         config=config,
-        transformer_layer_spec=gpt_layer_spec(config, args),
         vocab_size=vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -58,3 +58,9 @@ def build_gpt_moe(args: argparse.Namespace, config: TransformerConfig, vocab_siz
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
     )
+
+
+def build_gpt_moe(args: argparse.Namespace, config: TransformerConfig, vocab_size: int,
+                  pre_process: bool = True, post_process: bool = True) -> GPTModel:
+    return GPTModel(transformer_layer_spec=gpt_layer_spec(config, args),
+                    **language_model_kwargs(args, config, vocab_size, pre_process, post_process))

@@ -45,6 +45,12 @@ def micro_batch_iterator(dataset, consumed_samples: int, micro_batch_size: int,
     return iter(loader)
 
 
+def batch_to_device(batch: dict, *keys: str) -> tuple:
+    """The named tensors of a micro-batch, on this rank's device (the GPU, or the CPU)."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    return tuple(batch[key].to(device, non_blocking=True) for key in keys)
+
+
 def cycle(make_iterator):
     """An endless iterator for evaluation: restarts the split when it runs out."""
     while True:

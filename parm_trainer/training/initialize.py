@@ -16,6 +16,8 @@ import torch
 
 from parm_trainer.arguments import ArgumentsError, parse_args
 from parm_trainer.compat import cpu
+from parm_trainer.data.tokenizer import build_tokenizer
+from parm_trainer.models.config import padded_vocab_size
 from parm_trainer.moe.auto import resolve_auto_schedule
 from parm_trainer.moe.cost_model import ProfileError
 from parm_trainer.parallel import LayoutError, initialize_distributed, validate_layout
@@ -42,11 +44,17 @@ def _check_inputs(args) -> None:
         raise InputError(f"--load {args.load} is not a directory")
 
 
-def initialize(argv=None, extra_args_provider=None, check_inputs=_check_inputs):
-    """Parse flags, check them, apply the CPU layer if needed, start the process groups."""
+def initialize(argv=None, extra_args_provider=None, check_inputs=None):
+    """Parse flags, check them, build the tokenizer (args.tokenizer, args.padded_vocab_size),
+    apply the CPU layer if needed, start the process groups. check_inputs(args): the entry
+    point's own checks, run with the tokenizer built and before any communication."""
     args = parse_args(argv, extra_args_provider)
     resolve_auto_schedule(args, log=lambda line: _rank() == 0 and print(line, flush=True))
     validate_layout(args)
+    _check_inputs(args)
+    args.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    args.padded_vocab_size = padded_vocab_size(args.tokenizer.vocab_size,
+                                               args.tensor_model_parallel_size)
     if check_inputs is not None:
         check_inputs(args)
     cpu.apply()

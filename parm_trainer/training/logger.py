@@ -77,9 +77,11 @@ class MetricsLogger:
             self.wandb.log(named, step=iteration)
 
     def record(self, iteration: int, values: dict) -> None:
-        """Keep every iteration's losses for --log-losses-json (tests compare layouts with it)."""
+        """Keep every iteration's losses for --log-losses-json (tests compare layouts with it);
+        a tensor value (the tokens per expert) is kept as nested lists."""
         if self.enabled and self.json_path:
-            self.history.append({"iteration": iteration, **{k: float(v) for k, v in values.items()}})
+            self.history.append({"iteration": iteration, **{
+                k: v.tolist() if torch.is_tensor(v) else float(v) for k, v in values.items()}})
 
     def close(self) -> None:
         if not self.enabled:

@@ -24,6 +24,7 @@ from parm_trainer.models.config import num_moe_layers, transformer_config
 from parm_trainer.parallel import destroy_distributed
 from parm_trainer.training import checkpointing
 from parm_trainer.training.data import cycle, micro_batch_iterator
+from parm_trainer.training.expert_tokens import ExpertTokenCounter, format_expert_tokens
 from parm_trainer.training.flops import flops_per_iteration
 from parm_trainer.training.logger import MetricsLogger, print_rank_0, print_rank_last
 from parm_trainer.training.setup import build_model, build_optimizer, wire_config
@@ -35,20 +36,22 @@ class NonFiniteLossError(FloatingPointError):
     """The loss became NaN or infinite; raised on every rank before the optimizer step."""
 
 
-def _reduce_losses(losses: list, name: str):
-    """Sum (loss, tokens) pairs over micro-batches and data-parallel ranks -> mean loss.
+def _reduce_losses(losses: list, names: tuple) -> dict:
+    """Sum each named (sum, count) pair over micro-batches and data-parallel ranks -> mean.
 
     Only the last pipeline stage has losses; the result is broadcast to every rank so that all
     of them see the same value (and the same NaN check)."""
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(len(names), 2, dtype=torch.float64)
     for item in losses:
-        if name in item:
-            total += item[name].detach().double().cpu()
+        for row, name in enumerate(names):
+            if name in item:
+                total[row] += item[name].detach().double().cpu()
     if parallel_state.is_pipeline_last_stage():
         torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
     # Other stages hold zeros: a sum over the pipeline gives every rank the last stage's value.
     torch.distributed.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
-    return (total[0] / total[1]).item() if total[1] > 0 else float("nan")
+    return {name: (total[row, 0] / total[row, 1]).item() if total[row, 1] > 0 else float("nan")
+            for row, name in enumerate(names)}
 
 
 def _moe_losses(num_microbatches: int, moe_layers: int) -> dict:
@@ -66,9 +69,10 @@ def _moe_losses(num_microbatches: int, moe_layers: int) -> dict:
 
 class Trainer:
     def __init__(self, args, model_provider: Callable, datasets_provider: Callable,
-                 forward_step: Callable):
+                 forward_step: Callable, loss_names: tuple = ("lm loss",)):
         self.args = args
         self.forward_step = forward_step
+        self.loss_names = loss_names  # what the loss function reports; "lm loss" first
         torch.manual_seed(args.seed)
         model_parallel_cuda_manual_seed(args.seed)
         self.config = transformer_config(args)
@@ -81,6 +85,8 @@ class Trainer:
         self.datasets = datasets_provider(args, self._num_samples())
         self.logger = MetricsLogger(args)
         self.num_moe_layers = num_moe_layers(args)
+        self.expert_tokens = (ExpertTokenCounter(self.model, args.num_layers, args.num_experts)
+                              if self.num_moe_layers else None)
         self.flops = flops_per_iteration(args)
 
     def _load(self):
@@ -112,20 +118,24 @@ class Trainer:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        losses = self._run_schedule(iterator, forward_only=False)
-        loss = _reduce_losses(losses, "lm loss")
-        if not math.isfinite(loss):
-            raise NonFiniteLossError(
-                f"loss is {loss} at iteration {self.iteration + 1}; no update was applied "
-                f"(last checkpoint: {self.args.save or 'none'})")
+        losses = _reduce_losses(self._run_schedule(iterator, forward_only=False),
+                                self.loss_names)
+        for name, loss in losses.items():
+            if not math.isfinite(loss):
+                raise NonFiniteLossError(
+                    f"{'loss' if name == 'lm loss' else name} is {loss} at iteration "
+                    f"{self.iteration + 1}; no update was applied "
+                    f"(last checkpoint: {self.args.save or 'none'})")
         _, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
-        metrics = {"lm loss": loss, "lr": self.scheduler.get_lr(self.optimizer.param_groups[0]),
+        metrics = {**losses, "lr": self.scheduler.get_lr(self.optimizer.param_groups[0]),
                    "grad norm": grad_norm if grad_norm is not None else float("nan")}
         if self.num_moe_layers and report_moe:
             metrics.update(_moe_losses(self.args.num_microbatches, self.num_moe_layers))
+            metrics["tokens per expert"] = self.expert_tokens.collect()
         elif self.num_moe_layers:
             moe_utils.clear_aux_losses_tracker()
+            self.expert_tokens.reset()
         return metrics
 
     def evaluate(self, iterator) -> dict:
@@ -139,8 +149,8 @@ class Trainer:
             chunk.train()
         if self.num_moe_layers:
             moe_utils.clear_aux_losses_tracker()
-        loss = _reduce_losses(losses, "lm loss")
-        return {"lm loss": loss, "ppl": math.exp(min(20.0, loss))}
+        result = _reduce_losses(losses, self.loss_names)
+        return {**result, "ppl": math.exp(min(20.0, result["lm loss"]))}
 
     def save(self):
         if self.args.save:
@@ -153,20 +163,29 @@ class Trainer:
         tokens_per_s = a.global_batch_size * a.seq_length / seconds_per_iter
         tflops = self.flops / seconds_per_iter / a.world_size / 1e12
         eta = (a.train_iters - self.iteration) * seconds_per_iter
-        extra = "".join(f" | {k} {v:.4f}" for k, v in metrics.items()
+        scalars = {k: v for k, v in metrics.items() if k != "tokens per expert"}
+        extra = "".join(f" | {k} {v:.4f}" for k, v in scalars.items()
                         if k not in ("lm loss", "lr", "grad norm"))
         print_rank_last(
             f"iteration {self.iteration:6d}/{a.train_iters} | lm loss {metrics['lm loss']:.6f} | "
             f"lr {metrics['lr']:.3e} | grad norm {metrics['grad norm']:.3f}{extra} | "
             f"ms/iter {seconds_per_iter * 1e3:.1f} | tokens/s {tokens_per_s:.0f} | "
             f"TFLOP/s/device {tflops:.4f} | ETA {eta / 60:.1f} min")
-        self.logger.scalars(self.iteration, {**metrics, "tokens_per_s": tokens_per_s,
+        if "tokens per expert" in metrics:
+            table = metrics["tokens per expert"]
+            print_rank_last(f"tokens per expert at iteration {self.iteration} | "
+                            f"{format_expert_tokens(table)}")
+            scalars.update({f"tokens_per_expert/layer{layer + 1}/expert{expert}": count
+                            for layer, row in enumerate(table.tolist()) if any(row)
+                            for expert, count in enumerate(row)})
+        self.logger.scalars(self.iteration, {**scalars, "tokens_per_s": tokens_per_s,
                                              "tflops_per_device": tflops}, prefix="train/")
 
     def _validate(self, valid_iterator, label="validation"):
         result = self.evaluate(valid_iterator)
-        print_rank_last(f"{label} at iteration {self.iteration} | lm loss {result['lm loss']:.6f}"
-                        f" | ppl {result['ppl']:.3f}")
+        print_rank_last(f"{label} at iteration {self.iteration} | "
+                        + " | ".join(f"{k} {v:.6f}" if k != "ppl" else f"ppl {v:.3f}"
+                                     for k, v in result.items()))
         self.logger.scalars(self.iteration, result, prefix="valid/")
         self.last_validation = result
         return result
@@ -215,9 +234,10 @@ class Trainer:
 
 
 def pretrain(args, model_provider: Callable, datasets_provider: Callable,
-             forward_step: Callable) -> None:
-    """Set up from the parsed flags (distributed state must be initialised) and train."""
-    trainer = Trainer(args, model_provider, datasets_provider, forward_step)
+             forward_step: Callable, loss_names: tuple = ("lm loss",)) -> None:
+    """Set up from the parsed flags (distributed state must be initialised) and train.
+    forward_step's loss function reports a (sum, count) pair under each of loss_names."""
+    trainer = Trainer(args, model_provider, datasets_provider, forward_step, loss_names)
     trainer.train()
     # Orderly shutdown: a process group left to the interpreter's exit can abort a rank
     # ("terminate called without an active exception") while gloo's threads are torn down.

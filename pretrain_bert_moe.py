@@ -1,0 +1,101 @@
+"""Pretrain a Mixture-of-Experts BERT (masked LM + sentence order) on megatron-core.
+
+    torchrun --nproc-per-node 4 pretrain_bert_moe.py \
+        --tensor-model-parallel-size 2 --expert-model-parallel-size 2 \
+        --expert-tensor-parallel-size 2 --sequence-parallel --disable-bias-linear \
+        --num-experts 4 --moe-router-topk 2 --moe-parm-schedule auto --num-layers 4 \
+        --hidden-size 128 --num-attention-heads 4 --seq-length 128 --micro-batch-size 4 \
+        --global-batch-size 16 --train-iters 300 --lr 1e-3 \
+        --data-path data/demo/corpus_text_sentence \
+        --tokenizer-type SentencePieceTokenizer --tokenizer-model data/demo/tokenizer.model
+
+The data is sentence-level: `tools/preprocess_data.py --split-sentences`. This file holds only
+the BERT-specific flags and providers (model, datasets, forward step and loss);
+parm_trainer.training runs the loop, exactly as for GPT.
+"""
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from parm_trainer.data.bert_datasets import (build_bert_datasets, check_bert_tokenizer,
+                                             check_sentence_level)
+from parm_trainer.data.gpt_datasets import parse_data_path
+from parm_trainer.models.bert import build_bert_moe
+from parm_trainer.training.data import batch_to_device
+from parm_trainer.training.initialize import InputError, initialize, user_errors
+from parm_trainer.training.loop import pretrain
+
+
+def add_bert_args(parser):
+    g = parser.add_argument_group("BERT")
+    g.add_argument("--bert-no-binary-head", action="store_false", dest="bert_binary_head",
+                   help="No sentence-order head (and no token types): masked LM only.")
+    g.add_argument("--mask-prob", type=float, default=0.15,
+                   help="Share of tokens masked for the masked-LM loss.")
+    g.add_argument("--short-seq-prob", type=float, default=0.1,
+                   help="Probability of a sample shorter than --seq-length.")
+
+
+def check_bert_inputs(args):
+    """Before any communication: the flags, the tokenizer's special tokens, sentence-level data."""
+    if not 0.0 < args.mask_prob < 1.0:
+        raise InputError(f"--mask-prob {args.mask_prob} must be between 0 and 1")
+    if not 0.0 <= args.short_seq_prob <= 1.0:
+        raise InputError(f"--short-seq-prob {args.short_seq_prob} must be between 0 and 1")
+    check_bert_tokenizer(args.tokenizer)
+    for prefix in parse_data_path(args.data_path)[0]:
+        check_sentence_level(prefix)
+
+
+def model_provider(args, config, pre_process=True, post_process=True):
+    return build_bert_moe(args, config, args.padded_vocab_size, pre_process, post_process)
+
+
+def datasets_provider(args, num_samples):
+    return build_bert_datasets(args.data_path, args.split, args.seq_length, args.seed,
+                               args.tokenizer, num_samples, args.bert_binary_head, args.mask_prob,
+                               args.short_seq_prob, args.data_cache_path)
+
+
+def loss_func(loss_mask, sentence_order, output_tensor):
+    """Mean masked-LM cross entropy over the masked tokens, plus the mean sentence-order cross
+    entropy (Megatron-LM's BERT loss); megatron averages it over micro-batches. Each report is
+    a (sum, count) pair, summed over micro-batches and data-parallel ranks by the loop."""
+    lm_losses, sop_logits = output_tensor
+    mask = loss_mask.float().view(-1)
+    lm_sum = torch.sum(lm_losses.float().view(-1) * mask)
+    loss = lm_sum / mask.sum().clamp(min=1)
+    reports = {"lm loss": torch.stack([lm_sum.detach(), mask.sum()])}
+    if sop_logits is not None:
+        sop_logits, sentence_order = sop_logits.float().view(-1, 2), sentence_order.view(-1)
+        sop_sum = F.cross_entropy(sop_logits, sentence_order, reduction="sum")
+        samples = sop_sum.new_tensor(float(sentence_order.numel()))
+        loss = loss + sop_sum / samples
+        correct = (sop_logits.argmax(dim=-1) == sentence_order).sum().float()
+        reports["sop loss"] = torch.stack([sop_sum.detach(), samples])
+        reports["sop accuracy"] = torch.stack([correct, samples])
+    return loss, reports
+
+
+def forward_step(data_iterator, model, binary_head=True):
+    tokens, types, labels, loss_mask, padding_mask, sentence_order = batch_to_device(
+        next(data_iterator), "text", "types", "labels", "loss_mask", "padding_mask", "is_random")
+    # megatron's sample marks real tokens 1 and padding with the pad id (0 for our tokenizers)
+    attention_mask = (padding_mask == 1).long()
+    output = model(tokens, attention_mask, tokentype_ids=types if binary_head else None,
+                   lm_labels=labels)
+    return output, partial(loss_func, loss_mask, sentence_order)
+
+
+def main(argv=None):
+    with user_errors():
+        args = initialize(argv, add_bert_args, check_bert_inputs)
+        losses = ("lm loss", "sop loss", "sop accuracy") if args.bert_binary_head else ("lm loss",)
+        pretrain(args, model_provider, datasets_provider,
+                 partial(forward_step, binary_head=args.bert_binary_head), losses)
+
+
+if __name__ == "__main__":
+    main()

@@ -73,8 +73,9 @@ def _moe_group(parser):
                    help="Cluster cost profile (JSON) for --moe-parm-schedule auto; default: a "
                         "built-in A100 profile (assumed numbers).")
     g.add_argument("--moe-parm-chunks", type=int, default=1,
-                   help="Pipeline the EP AlltoAll with the ESP AllGather/ReduceScatter in this "
-                        "many chunks (1: no pipelining).")
+                   help="Pipeline s1's and s2's expert exchange in this many chunks of the "
+                        "capacity slots: the EP AlltoAlls of later chunks run while earlier "
+                        "chunks are gathered, computed and sent back (1: no pipelining).")
 
 
 def _parallel_group(parser):

@@ -15,7 +15,7 @@ import pytest
 
 from parm_trainer.moe.cost_model import (DEFAULT_PROFILE, KINDS, LayerShape, Profile,
                                          ProfileError, choose_schedule, crosses_nodes, fit_alpha_beta,
-                                         pipelined_s, plan_cost, walk)
+                                         pipeline_s, pipelined_s, plan_cost, walk)
 from parm_trainer.moe.schedules import build_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -352,3 +352,27 @@ def test_simulate_cluster_small_grid(tmp_path, capsys):
     assert len(saved["configs"]) == len(rows) and saved["cluster"]["gpus_per_node"] == 4
     assert all(row["auto"] in ("s1", "s2") and row["speedup"]["auto"] > 0 for row in rows)
     assert "skipped" in text or (tmp_path / "hist.png").exists()
+
+
+def test_pipeline_formula():
+    """pipeline_s(out, main, back, tail, r) with per-chunk times: r = 1 is the sum; with the
+    main thread's work no longer than the link's, it hides behind the AlltoAlls."""
+    assert pipeline_s(1.0, 1.0, 1.0, 0.5, 1) == 3.5
+    # totals: out 1, back 1, main 1, split in 4: the link is busy 2 s and the main work hides
+    assert pipeline_s(0.25, 0.25, 0.25, 0.0, 4) == pytest.approx(2.0)
+    # compute-bound: main 4 s in total; the link's first outbound and last return stick out
+    assert pipeline_s(0.25, 1.0, 0.25, 0.0, 4) == pytest.approx(0.25 + 4.0 + 0.25)
+
+
+@pytest.mark.parametrize("name,group", [("s1", "ep,esp"), ("s2", "ep,esp,mp")])
+def test_pipelined_plans_move_the_same_bytes(name, group):
+    """chunks > 1 turns s1's and s2's exchange into one pipeline step that sends exactly the
+    bytes of the unpipelined plan (the executor's ledger records the same), and with the
+    collectives costing more than the expert it is priced below the unpipelined plan."""
+    shape = replace(SHAPE, chunks=4)
+    piped, plain = build_plan(name, False, 4), build_plan(name, False, 1)
+    assert f"pipeline[{group}]" in [str(s) for s in piped.steps]
+    prof = profile(alpha=1e-6, compute=(1e-6, 1e-12))
+    a, b = plan_cost(piped, shape, prof), plan_cost(plain, SHAPE, prof)
+    assert a["bytes"] == b["bytes"]
+    assert a["total_s"] < b["total_s"]

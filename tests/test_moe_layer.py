@@ -10,7 +10,8 @@ grads and the aux loss within 1e-5 of parm_trainer/moe/reference.py, whose value
 that tolerance. The 2-rank launch's MP=EP=ESP=1 layout is
 two independent single-rank layers, megatron's own MoELayer included: it pins the reference's
 routing, expert and aux-loss definitions (objective sum(out * grad) + coeff * aux) to megatron.
-The 4-rank launch (sizes 1, 2 and 4) also runs pipelined pairs (--moe-parm-chunks 2) and
+The 4-rank launch (sizes 1, 2 and 4) also runs the pipelined exchange (--moe-parm-chunks 2 and
+4) on every layout, and
 checks Parm's byte volumes at a fixed padded capacity against numbers computed here from the
 formulas of PARM.md and comm.py.
 
@@ -201,10 +202,11 @@ def test_four_ranks_every_layout_chunks_and_bytes(tmp_path):
     configs = layouts(4, sizes=(1, 2, 4))
     two = {c["layout"][:3] for c in configs if max(c["layout"][:3]) <= 2}
     assert len(two) == 8  # every MP, EP, ESP in {1, 2}; and the layouts with a 4 that fit
+    # The pipelined exchange (r = 2 and 4) on every layout with something to pipeline.
+    configs += [config(*c["layout"], name=f"{c['name']}-chunks{r}",
+                       **{"moe-parm-chunks": r, "schedules": "s1,s2"})
+                for c in list(configs) if max(c["layout"][:3]) > 1 for r in (2, 4)]
     configs += [
-        config(2, 2, 2, name="chunks2", **{"moe-parm-chunks": 2, "schedules": "s1,s2"}),
-        config(2, 2, 2, sp=True, name="chunks2-sp",
-               **{"moe-parm-chunks": 2, "schedules": "s1,s2"}),
         config(2, 2, 1, sp=True, name="megatron-allgather",
                **{"moe-token-dispatcher-type": "allgather", "schedules": "megatron"}),
         # Token dropping: capacity counted per gate call, as the reference does for each.
@@ -243,7 +245,7 @@ def test_four_ranks_every_layout_chunks_and_bytes(tmp_path):
             assert base == 2 * (2 * (e * 64 * m * 4) // 2)
             for schedule in ("s1", "s2"):
                 assert 2 * sum(a2a[schedule][r] for r in group) == base, (name, schedule)
-    # Pipelining the pairs in chunks moves the same bytes.
+    # The pipelined exchange moves the same bytes.
     for schedule in ("s1", "s2"):
         chunked = runs["bytes-chunks2"]["schedules"][schedule]["bytes"]
         assert chunked == runs["bytes"]["schedules"][schedule]["bytes"], schedule

@@ -50,9 +50,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from parm_trainer.moe.cost_model import (LAYER_DEFAULT, LAYER_KEYS, LayerShape,  # noqa: E402
-                                         Profile, calls, choose_schedule, plan_cost, step_load,
+                                         Profile, calls, choose_schedule, plan_cost, shape_plan,
+                                         step_load,
                                          walk)
-from parm_trainer.moe.schedules import build_plan  # noqa: E402
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 SCHEDULES = ("baseline", "s1", "s2")
@@ -138,7 +138,7 @@ def parts(name: str, shape: LayerShape, profile: Profile) -> np.ndarray:
     """[collective seconds, compute + memory seconds, plan steps x 3, collective calls] of one
     schedule (forward + backward), priced with the isolated profile (no layer terms): the
     features the layer terms weigh."""
-    plan = build_plan(name, shape.sequence_parallel)
+    plan = shape_plan(name, shape)
     isolated = replace(profile, layer=LAYER_DEFAULT)
     no_comm = replace(isolated, collectives={k: {link: (0.0, 1e-30) for link in v}
                                              for k, v in profile.collectives.items()})
@@ -213,7 +213,7 @@ def evaluate(runs: list, profile: Profile, fit_names: set) -> dict:
                 row["schedules"][name] = {"measured_s": None, "predicted_s": None,
                                           "reason": run["schedules"].get(name, {}).get("reason")}
                 continue
-            predicted = plan_cost(build_plan(name, shape.sequence_parallel), shape,
+            predicted = plan_cost(shape_plan(name, shape), shape,
                                   fitted)["total_s"]
             row["schedules"][name] = {"measured_s": seconds, "predicted_s": predicted,
                                       "rel_error": (predicted - seconds) / seconds}

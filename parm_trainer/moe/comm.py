@@ -212,7 +212,7 @@ def _identity(x, group, name, phase):
 
 # --- the overlapped pairs ------------------------------------------------------------------
 
-def _chunk_spans(length, chunks):
+def chunk_spans(length, chunks):
     """(offset, size) of each piece torch.tensor_split(range(length), chunks) makes, empty
     pieces left out."""
     base, extra = divmod(length, chunks)
@@ -250,7 +250,7 @@ def _a2a_then_ag(x, a2a, ag, chunk_dim, ag_dim, chunks, phase):
     out_shape = list(x.shape)
     out_shape[ag_dim] *= world_ag
     out = x.new_empty(out_shape)
-    spans = _chunk_spans(x.shape[chunk_dim], chunks)
+    spans = chunk_spans(x.shape[chunk_dim], chunks)
 
     def place(i, stacked):  # rank r's piece of chunk i sits inside rank r's block of ag_dim
         offset, size = spans[i]
@@ -276,7 +276,7 @@ def _rs_then_a2a(y, a2a, rs, chunk_dim, rs_dim, chunks, phase):
     out_shape = list(y.shape)
     out_shape[rs_dim] = local
     out = y.new_empty(out_shape)
-    spans = _chunk_spans(out_shape[chunk_dim], chunks)
+    spans = chunk_spans(out_shape[chunk_dim], chunks)
 
     def stack_chunk(i):  # chunk i of every rank's block of rs_dim, stacked for the scatter
         return torch.stack([y.narrow(rs_dim, r * local, local).narrow(chunk_dim, *spans[i])
@@ -405,3 +405,102 @@ def all_to_all_then_gather(x, a2a_group, a2a_name, gather_group, gather_name, ch
     chunk_dim, dim = _pair_dims(x, chunk_dim, dim, chunks)
     return _AllToAllThenGather.apply(x, (a2a_group, a2a_name), (gather_group, gather_name),
                                      chunk_dim, dim, chunks)
+
+
+# --- asynchronous collectives: start now, finish later, in both directions -----------------
+#
+# start(kind, x, ...) issues the collective and returns at once; finish(pending) waits for it
+# and returns the result. Each is an autograd Function, and their backwards swap roles:
+# finish's backward STARTS the dual collective of the grad and start's backward FINISHES it.
+# Autograd runs ready nodes latest-created first, so the backward replays the forward's
+# schedule in reverse: what overlapped in the forward overlaps in the backward too, with no
+# scheduler of its own. The grad passed from finish's backward to start's is a placeholder
+# (a broadcast zero); the real one travels in the pair's shared _Pending.
+
+class _Pending:
+    """One started collective: its kind, group, dim, and the forward and backward handles."""
+
+    def __init__(self, kind, group, name, dim):
+        self.kind, self.group, self.name, self.dim = kind, group, name, dim
+        self.world = group_size(group)
+        self.raw = self.work = self.grad_work = self.grad_raw = None
+
+    # forward: issue and finish; backward: issue_grad and finish_grad (the dual collective)
+    def issue(self, x):
+        if self.kind == "alltoall":
+            return _issue_all_to_all(x, self.group)
+        if self.kind in ("allgather", "gather"):
+            return _issue_all_gather(x, self.group)
+        return _issue_reduce_scatter(_blocks(x, self.dim, self.world), self.group)
+
+    def finish(self, raw):
+        return _unblock(raw, self.dim) if self.kind in ("allgather", "gather") else raw
+
+    def issue_grad(self, grad):
+        if self.kind == "alltoall":
+            return _issue_all_to_all(grad, self.group)
+        if self.kind == "allgather":
+            return _issue_reduce_scatter(_blocks(grad, self.dim, self.world), self.group)
+        if self.kind == "gather":  # a result used alike by every rank: keep this rank's block
+            return _Done(), _split(grad, self.group, self.name, self.dim, "backward")
+        return _issue_all_gather(grad, self.group)
+
+    def finish_grad(self, raw):
+        return _unblock(raw, self.dim) if self.kind == "reducescatter" else raw
+
+    def record(self, nbytes, phase):
+        kind = {"gather": "allgather"}.get(self.kind, self.kind)
+        if phase == "backward":
+            kind = {"allgather": "reducescatter", "reducescatter": "allgather"}.get(kind, kind)
+            if self.kind == "gather":
+                return
+        _record(kind, self.name, nbytes, self.world, phase)
+
+
+class _Start(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pending):
+        pending.work, raw = pending.issue(x)
+        pending.record(x.nbytes, "forward")
+        ctx.pending = pending
+        return raw
+
+    @staticmethod
+    def backward(ctx, _placeholder):
+        pending = ctx.pending
+        pending.grad_work.wait()
+        return pending.finish_grad(pending.grad_raw), None
+
+
+class _Finish(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, raw, pending):
+        pending.work.wait()
+        ctx.pending, ctx.raw_shape = pending, raw.shape
+        out = pending.finish(raw)
+        return out.clone() if out is raw else out
+
+    @staticmethod
+    def backward(ctx, grad):
+        pending = ctx.pending
+        grad = grad.contiguous()
+        pending.grad_work, pending.grad_raw = pending.issue_grad(grad)
+        pending.record(grad.nbytes, "backward")
+        return grad.new_zeros(()).expand(ctx.raw_shape), None
+
+
+def start(kind, x, group, name, dim=0):
+    """Issue collective `kind` ("alltoall", "allgather", "reducescatter", or "gather": an
+    AllGather whose result every rank uses alike, so its backward only splits) on x and return
+    at once; pass the result to finish(). Its backward is issued and waited the same way.
+    A group of one is the identity."""
+    if group_size(group) == 1:
+        return x, None
+    pending = _Pending(kind, group, name, dim % x.dim())
+    return _Start.apply(x, pending), pending
+
+
+def finish(started):
+    """Wait for a start()ed collective; its result, like the blocking op's."""
+    raw, pending = started
+    return raw if pending is None else _Finish.apply(raw, pending)

@@ -30,7 +30,15 @@ of the smaller side)), a two-stage pipeline: each chunk costs a = alpha_A + A/r 
 b = alpha_B + B/r (A, B = bytes*beta of the whole streams), and
     T(r) = r*max(a, b) + min(a, b),
 which is alpha_A + A + alpha_B + B at r = 1 and, with zero alphas, max(A, B) + min(A, B)/r:
-it tends to the longer stream as r grows, while every chunk pays its alphas.
+it tends to the longer stream as r grows, while every chunk pays its alphas. (Plans built
+with chunks > 1 use the pipeline step below instead of the pairs.)
+
+Pipeline step (s1 and s2 with chunks r > 1): AlltoAll, ESP gather, expert, ESP scatter, AlltoAll
+back (and s2's MP gather) per chunk of the capacity slots, priced by replaying the executor's
+schedule on per-chunk prices (pipeline_s): the outbound AlltoAlls run back to back on the EP
+group, the main thread takes each chunk as it arrives (gather + expert + scatter), its return
+AlltoAll queues behind the outbound ones, then its MP gather. Backward: the same with the
+returns' grads first and the expert's work doubled.
 
 Compute: flops priced alpha + flops*beta; the backward costs twice the forward.
     expert: 2 * rows * M * (H/ESP) * 2 (fc1 and fc2), rows = E*c slots (padding included:
@@ -310,6 +318,7 @@ class StepLoad:
     chunks: int = 1
     flops: float = 0.0  # forward; the backward is priced at twice the forward
     moved: float = 0.0  # bytes read + written by memory-bound work, forward (backward twice)
+    pipeline: bool = False  # the "pipeline" step: collectives (out, ag, rs, back[, gather])
 
 
 def sent_bytes(kind: str, nbytes: int, world: int) -> int:
@@ -399,7 +408,40 @@ def step_load(step: Step, shape: LayerShape, held: Held) -> tuple:
         load = StepLoad(forward=a2a + ag, backward=a2a, pipelined=True,
                         chunks=max(1, min(s.chunks, c)))
         return load, replace(held, capacity=c * s.mp)
+    if op == "pipeline":  # a2a, ESP gather, expert, ESP scatter, a2a back [, MP gather]
+        need(s.experts % s.ep == 0, f"{s.experts} experts do not split over EP {s.ep}")
+        need(s.ffn % s.esp == 0, f"ffn {s.ffn} does not split over ESP {s.esp}")
+        a2a, ag = coll("alltoall", "ep", slab), coll("allgather", "esp", slab)
+        rs = coll("reducescatter", "esp", slab * s.esp)
+        rs_back, ag_back = coll("reducescatter", "esp", slab * s.esp), coll("allgather", "esp",
+                                                                            slab)
+        gather = coll("allgather", "mp", slab) if "mp" in step.group.split(",") else ()
+        rows, h = s.experts * c * s.esp, s.ffn // s.esp
+        load = StepLoad(forward=(a2a, ag, rs, a2a, gather), backward=(a2a, rs_back, ag_back, a2a, ()),
+                        pipeline=True, chunks=max(1, min(s.chunks, c)),
+                        flops=2 * rows * s.hidden * h * 2, moved=2 * rows * h * b)
+        return load, replace(held, capacity=c * s.mp if gather else c)
     raise ValueError(f"unknown plan step {step}")
+
+
+def pipeline_s(out: float, main: float, back: float, tail: float, chunks: int) -> float:
+    """Seconds of the "pipeline" step's phase, each argument the time of ONE chunk: out (its
+    AlltoAll), main (what the main thread does with it: gather, expert, scatter), back (the
+    AlltoAll back), tail (s2's MP gather, 0 for s1). As the executor runs it: every outbound
+    AlltoAll is issued at once and they run back to back on the EP group; the main thread takes
+    chunk i when it has arrived and issues its AlltoAll back, which runs after the outbound
+    ones and the earlier returns on the same group; each return is then gathered over MP.
+    r = 1 is out + main + back + tail; a long r tends to max(r*(out + back), r*main)."""
+    link, main_free, tail_free = 0.0, 0.0, 0.0
+    arrived = []
+    for _ in range(chunks):
+        link += out
+        arrived.append(link)
+    for i in range(chunks):
+        main_free = max(main_free, arrived[i]) + main
+        link = max(link, main_free) + back
+        tail_free = max(tail_free, link) + tail
+    return max(link, tail_free)
 
 
 def pipelined_s(a_stream: tuple, b_stream: tuple, chunks: int) -> float:
@@ -420,12 +462,41 @@ def _phase_s(colls: tuple, load: StepLoad, shape: LayerShape, profile: Profile) 
     return sum(alpha + t for alpha, t in streams)
 
 
+def _work_s(flops: float, moved: float, profile: Profile) -> float:
+    """Compute and memory seconds of flops and bytes moved (the isolated prices)."""
+    seconds = profile.compute[0] + flops * profile.compute[1] if flops else 0.0
+    if moved and profile.memory is not None:
+        seconds += profile.memory[0] + moved * profile.memory[1]
+    return seconds
+
+
+def _pipeline_cost(load: StepLoad, shape: LayerShape, profile: Profile) -> tuple:
+    """(forward_s, backward_s) of the pipeline step: pipeline_s on per-chunk prices, with the
+    layer terms (collectives x comm_factor, work x compute_factor, s_per_call per call)."""
+    comm_factor, compute_factor, host, per_call = profile.layer
+    r = load.chunks
+
+    def chunk_s(coll):  # one chunk's share of a collective, with its own alpha and call cost
+        if not coll:
+            return 0.0
+        (kind, group, sent), = coll
+        alpha, beta = profile.collectives[kind][profile.link(shape, group)]
+        return (alpha + sent / r * beta) * comm_factor + per_call
+
+    work = _work_s(load.flops / r, load.moved / r, profile) * compute_factor
+    phases = []
+    for colls, weight in ((load.forward, 1), (load.backward, 2)):
+        out, ag, rs, back, tail = (chunk_s(c) for c in colls)
+        phases.append(pipeline_s(out, ag + rs + weight * work, back, tail, r) + weight * host)
+    return tuple(phases)
+
+
 def step_cost(step: Step, shape: LayerShape, profile: Profile, held: Held) -> tuple:
     """(forward_s, backward_s) of one step, entered holding `held` (see walk)."""
     load, _ = step_load(step, shape, held)
-    compute = profile.compute[0] + load.flops * profile.compute[1] if load.flops else 0.0
-    if load.moved and profile.memory is not None:
-        compute += profile.memory[0] + load.moved * profile.memory[1]
+    if load.pipeline:
+        return _pipeline_cost(load, shape, profile)
+    compute = _work_s(load.flops, load.moved, profile)
     comm_factor, compute_factor, host, per_call = profile.layer
     compute = compute * compute_factor + host
     return tuple(_phase_s(colls, load, shape, profile) * comm_factor + per_call * calls(colls, load)
@@ -434,7 +505,10 @@ def step_cost(step: Step, shape: LayerShape, profile: Profile, held: Held) -> tu
 
 
 def calls(colls: tuple, load: StepLoad) -> int:
-    """Collective calls of one phase of a step: a pipelined pair makes one of each per chunk."""
+    """Collective calls of one phase of a step: a pipelined pair makes one of each per chunk,
+    the pipeline step one of each of its collectives per chunk."""
+    if load.pipeline:
+        return sum(1 for c in colls if c) * load.chunks
     return len(colls) * (load.chunks if load.pipelined and len(colls) == 2 else 1)
 
 
@@ -465,7 +539,11 @@ def plan_cost(plan: Plan, shape: LayerShape, profile: Profile) -> dict:
         total_f, total_b = total_f + fwd, total_b + bwd
         row = {"step": str(step), "forward_s": fwd, "backward_s": bwd, "flops": load.flops}
         for phase, colls in (("forward", load.forward), ("backward", load.backward)):
-            row[f"{phase}_bytes"] = {f"{k}/{g}": nbytes for k, g, nbytes in colls}
+            if load.pipeline:  # (coll, ...) per stage, each () or ((kind, group, bytes),)
+                colls = [c for stage in colls for c in stage]
+            row[f"{phase}_bytes"] = {}
+            for k, g, nbytes in colls:
+                row[f"{phase}_bytes"][f"{k}/{g}"] = row[f"{phase}_bytes"].get(f"{k}/{g}", 0) + nbytes
             for key, nbytes in row[f"{phase}_bytes"].items():
                 sent[phase][key] = sent[phase].get(key, 0) + nbytes
         steps.append(row)
@@ -473,12 +551,17 @@ def plan_cost(plan: Plan, shape: LayerShape, profile: Profile) -> dict:
             "total_s": total_f + total_b, "bytes": sent}
 
 
+def shape_plan(name: str, shape: LayerShape) -> Plan:
+    """The plan the executor runs for this shape (its sequence parallelism and chunks)."""
+    return build_plan(name, shape.sequence_parallel, shape.chunks)
+
+
 def price_schedules(shape: LayerShape, profile: Profile, names) -> dict:
     """{schedule: predicted forward + backward seconds, or None where the layout cannot run it}."""
     totals = {}
     for name in names:
         try:
-            totals[name] = plan_cost(build_plan(name, shape.sequence_parallel), shape,
+            totals[name] = plan_cost(shape_plan(name, shape), shape,
                                      profile)["total_s"]
         except ValueError:
             totals[name] = None

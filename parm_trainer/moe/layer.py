@@ -43,7 +43,7 @@ class ParmMoELayer(MegatronModule):
                  pg_collection=None, schedule: str = "s1", chunks: int = 1):
         super().__init__(config=config)
         self.layer_number = layer_number
-        self.plan = build_plan(schedule, config.sequence_parallel)
+        self.plan = build_plan(schedule, config.sequence_parallel, chunks)
         self.chunks = chunks
         self.groups = {"mp": parallel_state.get_tensor_model_parallel_group(),
                        "ep": parallel_state.get_expert_model_parallel_group(),
@@ -121,6 +121,30 @@ class ParmMoELayer(MegatronModule):
                                                           device=x.device))
         return out.view(local, ep, c, hidden).transpose(0, 1).reshape(ep * local, c, hidden)
 
+    def _pipeline(self, x, gather_mp: bool):
+        """The expert exchange of s1 (and s2, gather_mp) on (E, c, M) in self.chunks pieces of
+        the capacity slots. Every piece's AlltoAll is issued at once; while later pieces are
+        on the wire, piece i is gathered over ESP, computed, reduce-scattered and sent back
+        (and, for s2, gathered over MP). Slots are independent rows, so each piece is exactly
+        the unpipelined computation on its slots; the backward overlaps the same way
+        (comm.start/finish)."""
+        ep, esp, mp = self.groups["ep"], self.groups["esp"], self.groups["mp"]
+        spans = comm.chunk_spans(x.shape[1], self.chunks)
+        outbound = [comm.start("alltoall", x.narrow(1, *span), ep, "ep") for span in spans]
+        inbound = []
+        for started in outbound:
+            y = comm.all_gather(comm.finish(started), esp, "esp", dim=1)
+            y = comm.reduce_scatter(self._expert(y), esp, "esp", dim=1)
+            inbound.append(comm.start("alltoall", y, ep, "ep"))
+        if not gather_mp:
+            return torch.cat([comm.finish(started) for started in inbound], dim=1)
+        gathers = [comm.start("gather", comm.finish(started), mp, "mp", dim=1)
+                   for started in inbound]
+        pieces = [comm.finish(started) for started in gathers]  # [rank 0's span | rank 1's ...]
+        # the unpipelined layout: each MP rank's slots together, pieces in order within them
+        return torch.cat([piece.narrow(1, rank * size, size) for rank in range(self.mp_size)
+                          for piece, (_, size) in zip(pieces, spans)], dim=1)
+
     # --- executor ----------------------------------------------------------------------------
     def forward(self, hidden_states, *args, **kwargs):
         seq, batch, hidden = hidden_states.shape
@@ -163,6 +187,8 @@ class ParmMoELayer(MegatronModule):
                                                         chunks=chunks)
             elif op == "expert":
                 x = self._expert(x)
+            elif op == "pipeline":
+                x = self._pipeline(x, gather_mp="mp" in step.group.split(","))
             elif op == "combine":
                 x = self._combine(x, routing)
             else:

@@ -17,7 +17,11 @@ steps call (comm.py); a cost model can price the same steps. Step ops:
     allreduce       ESP-AllReduce
     copy            identity; backward, ESP-AllReduce of the gradient (replicated expert input)
     a2a+allgather, reducescatter+a2a, a2a+gather_capacity
-                    the overlapped pairs, pipelined in `chunks` pieces
+                    the two collectives one after the other
+    pipeline        AlltoAll (EP), ESP-AllGather, expert, ESP-ReduceScatter, AlltoAll back
+                    (and, with group "ep,esp,mp", the MP-AllGather of the capacity) in
+                    `chunks` pieces of the capacity slots, the AlltoAlls running while
+                    earlier pieces compute
 """
 
 from __future__ import annotations

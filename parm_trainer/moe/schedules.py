@@ -13,6 +13,12 @@ s2        MP paused after the gate: every MP rank gates all N tokens, keeps 1/G 
           slots, AlltoAll (EP), ESP-AllGather, expert, ESP-ReduceScatter, then the AlltoAll back
           pipelined with the MP-AllGather of the dispatched layout (Parm's unified collective),
           and the combine on all N tokens.
+
+With chunks r > 1, s1's and s2's exchange (AlltoAll, ESP-AllGather, expert, ESP-ReduceScatter,
+AlltoAll back, and s2's MP-AllGather) becomes one "pipeline" step over r chunks of the capacity
+slots: every chunk's AlltoAll is issued at once, and while chunk i+1's are on the wire chunk i
+is gathered, computed and sent back (layer.py). The baseline is never pipelined (DeepSpeed's
+TED is not).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from parm_trainer.moe.plan import Plan, Step
 SCHEDULES = ("baseline", "s1", "s2")
 
 
-def baseline(sequence_parallel: bool) -> Plan:
+def baseline(sequence_parallel: bool, chunks: int = 1) -> Plan:
     steps = [Step("gate"), Step("dispatch"), Step("a2a", "ep"), Step("copy", "esp"),
              Step("expert"), Step("allreduce", "esp"), Step("a2a", "ep"), Step("combine")]
     if sequence_parallel:
@@ -30,25 +36,29 @@ def baseline(sequence_parallel: bool) -> Plan:
     return Plan("baseline", tuple(steps), splits_tokens=False, splits_capacity=False)
 
 
-def s1(sequence_parallel: bool) -> Plan:
-    steps = [Step("gate", "mp"), Step("dispatch"), Step("a2a+allgather", "ep,esp"),
-             Step("expert"), Step("reducescatter+a2a", "esp,ep"), Step("combine")]
+def s1(sequence_parallel: bool, chunks: int = 1) -> Plan:
+    exchange = ([Step("pipeline", "ep,esp")] if chunks > 1 else
+                [Step("a2a+allgather", "ep,esp"), Step("expert"), Step("reducescatter+a2a", "esp,ep")])
+    steps = [Step("gate", "mp"), Step("dispatch"), *exchange, Step("combine")]
     if not sequence_parallel:
         steps = [Step("split_tokens", "mp"), *steps, Step("gather_tokens", "mp")]
     return Plan("s1", tuple(steps), splits_tokens=True, splits_capacity=False)
 
 
-def s2(sequence_parallel: bool) -> Plan:
-    steps = [Step("gate"), Step("dispatch"), Step("split_capacity", "mp"),
-             Step("a2a+allgather", "ep,esp"), Step("expert"), Step("reducescatter", "esp"),
-             Step("a2a+gather_capacity", "ep,mp"), Step("combine")]
+def s2(sequence_parallel: bool, chunks: int = 1) -> Plan:
+    exchange = ([Step("pipeline", "ep,esp,mp")] if chunks > 1 else
+                [Step("a2a+allgather", "ep,esp"), Step("expert"), Step("reducescatter", "esp"),
+                 Step("a2a+gather_capacity", "ep,mp")])
+    steps = [Step("gate"), Step("dispatch"), Step("split_capacity", "mp"), *exchange,
+             Step("combine")]
     if sequence_parallel:
         steps = [Step("gather_tokens", "mp"), *steps, Step("split_tokens", "mp")]
     return Plan("s2", tuple(steps), splits_tokens=False, splits_capacity=True)
 
 
-def build_plan(name: str, sequence_parallel: bool) -> Plan:
+def build_plan(name: str, sequence_parallel: bool, chunks: int = 1) -> Plan:
+    """The plan of schedule `name`; chunks > 1 pipelines s1's and s2's expert exchange."""
     try:
-        return {"baseline": baseline, "s1": s1, "s2": s2}[name](sequence_parallel)
+        return {"baseline": baseline, "s1": s1, "s2": s2}[name](sequence_parallel, chunks)
     except KeyError:
         raise ValueError(f"--moe-parm-schedule {name!r}: choose one of {SCHEDULES}") from None

@@ -96,3 +96,34 @@ def test_auto_picks_by_the_cost_model_and_says_so():
     chosen, line = _auto("--moe-router-topk", "1", "--moe-expert-capacity-factor", "0.5")
     assert chosen == "s2", line
     assert "s1 " in line and "s2 " in line  # both predictions are logged
+
+
+def test_auto_chunks_pipeline_a_slow_link(tmp_path):
+    """--moe-parm-chunks 0: the cost model picks the pipeline depth too. Nodes of 4 GPUs put
+    the EP AlltoAll on a 1 GB/s link while the expert computes at 1 TFLOP/s, so overlapping
+    them must win over r = 1; every (schedule, r) candidate is logged."""
+    import json
+
+    from parm_trainer.moe.cost_model import KINDS
+
+    path = tmp_path / "slow.json"
+    path.write_text(json.dumps({
+        "gpus_per_node": 4, "world_size": 8, "compute": {"alpha_us": 10, "TFLOPs": 1.0},
+        "collectives": {k: {"intra": {"alpha_us": 10, "GBps": 100.0},
+                            "inter": {"alpha_us": 30, "GBps": 1.0}} for k in KINDS}}))
+    chosen, line = _auto("--moe-router-topk", "2", "--moe-parm-chunks", "0",
+                         "--moe-parm-cost-profile", str(path))
+    assert chosen in ("s1", "s2")
+    assert "--moe-parm-schedule auto and --moe-parm-chunks 0" in line
+    assert all(f"{n} r={r} " in line for n in ("s1", "s2") for r in (1, 2, 4, 8)), line
+    depth = int(line.rsplit("--moe-parm-chunks ", 1)[1])
+    assert depth > 1, line
+
+
+def test_chunks_make_one_pipeline_step():
+    piped = lambda name, sp=False: [str(s) for s in build_plan(name, sp, chunks=2).steps]  # noqa
+    assert piped("s1") == ["split_tokens[mp]", "gate[mp]", "dispatch", "pipeline[ep,esp]",
+                           "combine", "gather_tokens[mp]"]
+    assert piped("s2") == ["gate", "dispatch", "split_capacity[mp]", "pipeline[ep,esp,mp]",
+                           "combine"]
+    assert piped("baseline") == ops("baseline")  # DeepSpeed's TED does not pipeline

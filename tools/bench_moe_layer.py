@@ -111,6 +111,10 @@ def add_tool_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dump", default=None,
                    help="Write full input, output gradient, weights and each schedule's output "
                         "and input gradient of data-parallel replica 0 here (torch.save).")
+    g.add_argument("--inter-node-rate", default=None,
+                   help="The rate of one node's network link, for the link-time floor column: "
+                        "a tc rate (200mbit, 25mbps) or a profile JSON from "
+                        "tools/calibrate_comm.py run across nodes (its node link AlltoAll rate).")
     # Hidden: a JSON file holding a list of {"name": ..., "argv": [...]}; every entry is run in
     # this one launch (the world size stays, the layout may change), --json gets {"runs": [...]}.
     g.add_argument("--configs", default=None, help=argparse.SUPPRESS)
@@ -134,11 +138,54 @@ def parse(argv, world_size=None):
         raise ToolError("--moe-router-load-balancing-type: the reference implements aux_loss")
     if args.moe_router_load_balancing_type == "none":
         args.moe_aux_loss_coeff = 0.0
+    args.link_bytes_per_s = link_rate(args.inter_node_rate) if args.inter_node_rate else None
     if args.num_experts is None and not args.configs:
         raise ToolError("--num-experts is required")
     args.disable_bias_linear = True  # experts and router without biases, as the reference
     args.hidden_dropout = args.attention_dropout = 0.0
     return args
+
+
+def link_rate(value: str) -> float:
+    """Bytes per second of one node's link: a tc rate, or a calibrated profile's node link
+    AlltoAll rate."""
+    if value.endswith(".json"):
+        try:
+            with open(value) as f:
+                fit = json.load(f)["fit"]["alltoall"]["inter"]
+            return float(fit["node_link_GBps"]) * 1e9
+        except (OSError, KeyError, TypeError, ValueError) as error:
+            raise ToolError(f"--inter-node-rate {value}: no node link rate in it ({error!r}); "
+                            "calibrate across nodes with tools/calibrate_comm.py") from None
+    from emulated_cluster import RATE, rate_bytes_per_s
+
+    if not RATE.match(value):
+        raise ToolError(f"--inter-node-rate {value!r}: a rate such as 200mbit, or a profile JSON")
+    return rate_bytes_per_s(value)
+
+
+def _node_of(rank: int) -> int:
+    return rank // int(os.environ.get("LOCAL_WORLD_SIZE", torch.distributed.get_world_size()))
+
+
+def _cross_node_bytes(local_bytes: dict, groups: dict) -> int:
+    """Of the bytes this rank sent (ledger keys kind/group/phase), those that left its node:
+    each collective's bytes times the share of the group's other ranks on other nodes."""
+    me, total = torch.distributed.get_rank(), 0.0
+    for key, sent in local_bytes.items():
+        members = torch.distributed.get_process_group_ranks(groups[key.split("/")[1]])
+        if len(members) > 1:
+            remote = sum(_node_of(r) != _node_of(me) for r in members)
+            total += sent * remote / (len(members) - 1)
+    return int(total)
+
+
+def _busiest_node(per_rank: list) -> int:
+    """The largest sum of per_rank over the ranks of one node."""
+    nodes = {}
+    for rank, value in enumerate(per_rank):
+        nodes[_node_of(rank)] = nodes.get(_node_of(rank), 0) + value
+    return max(nodes.values())
 
 
 # --- launcher ------------------------------------------------------------------------------
@@ -461,6 +508,9 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
 
     ledger = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(ledger, bytes_local)
+    cross = [0] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(
+        cross, _cross_node_bytes(bytes_local, layer.groups) if hasattr(layer, "groups") else None)
     result = {
         "status": "ok",
         "plan": str(layer.plan) if hasattr(layer, "plan") else
@@ -468,6 +518,8 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
         "forward_ms": None,
         "backward_ms": None,
         "bytes": None if name == "megatron" else _bytes_report(ledger),
+        # the busiest node's outgoing bytes (forward + backward) and their time on its link
+        "cross_node_bytes": None if None in cross else _busiest_node(cross),
         "max_abs_diff": diffs,
         "reference_max_abs": scale,
         "aux_loss": None if aux is None else aux.item(),
@@ -569,6 +621,9 @@ def run_config(args, name=None, dump_dir=None):
         total = _total_ms(result)
         result["fwd_bwd_ratio_to_baseline"] = (total / base_total
                                                if total is not None and base_total else None)
+        cross = result.get("cross_node_bytes")
+        result["link_floor_ms"] = (cross / args.link_bytes_per_s * 1e3
+                                   if cross and args.link_bytes_per_s else None)
     return {"name": name, "config": _config_summary(args), "schedules": ordered}
 
 
@@ -595,7 +650,8 @@ def format_table(run) -> str:
     if run.get("name"):
         head = f"[{run['name']}] " + head
     cols = ("schedule", "fwd ms r0/max", "bwd ms r0/max", "ratio", "a2a KiB", "ag KiB",
-            "rs KiB", "ar KiB", "d out", "d in-grad", "d gate", "d expert", "d aux")
+            "rs KiB", "ar KiB", "node KiB", "floor ms", "x floor", "d out", "d in-grad",
+            "d gate", "d expert", "d aux")
     rows = []
     for name, r in run["schedules"].items():
         if r["status"] != "ok":
@@ -615,6 +671,9 @@ def format_table(run) -> str:
                      f"{_fmt(f and f['rank0'], '.2f')}/{_fmt(f and f['max'], '.2f')}",
                      f"{_fmt(b and b['rank0'], '.2f')}/{_fmt(b and b['max'], '.2f')}",
                      _fmt(r["fwd_bwd_ratio_to_baseline"], ".2f"), *kib,
+                     _fmt(r["cross_node_bytes"] and r["cross_node_bytes"] / 1024, ".1f"),
+                     _fmt(r["link_floor_ms"], ".1f"),
+                     _fmt(r["link_floor_ms"] and _total_ms(r) / r["link_floor_ms"], ".2f"),
                      *(_fmt(d[k], ".1e") for k in DIFF_KEYS)))
     widths = [max(len(cols[i]), *(len(row[i]) for row in rows if len(row) == len(cols)))
               for i in range(len(cols))]
@@ -625,8 +684,9 @@ def format_table(run) -> str:
         else:
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
     lines.append("bytes: sent per rank (max over ranks), forward + backward, one iteration; "
-                 "ratio: (fwd + bwd, max over ranks) / baseline's; d: max abs diff to "
-                 "reference.py")
+                 "ratio: (fwd + bwd, max over ranks) / baseline's; node KiB: sent off the "
+                 "busiest node (forward + backward); floor ms: that over --inter-node-rate; "
+                 "x floor: fwd + bwd / floor; d: max abs diff to reference.py")
     return "\n".join(lines)
 
 

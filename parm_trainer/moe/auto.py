@@ -9,9 +9,10 @@ log says which was used and the predicted time of each candidate.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from parm_trainer.moe.cost_model import (DEFAULT_PROFILE, LayerShape, Profile, ProfileError,
-                                         choose_schedule)
+                                         price_schedules)
 
 
 def layer_shape(args) -> LayerShape:
@@ -41,16 +42,38 @@ def load_profile(args) -> Profile:
     return profile
 
 
+CHUNK_CHOICES = (1, 2, 4, 8)
+
+
 def resolve_auto_schedule(args, log=print) -> None:
-    """Replace args.moe_parm_schedule "auto" by the cheaper of s1 and s2, and say why.
-    A given profile is checked whatever the schedule, so a bad one never goes unnoticed."""
+    """Replace args.moe_parm_schedule "auto" by the cheaper of s1 and s2, and
+    --moe-parm-chunks 0 by the cheapest pipeline depth of CHUNK_CHOICES (for s1 and s2; the
+    other schedules do not pipeline), and say why. A given profile is checked whatever the
+    schedule, so a bad one never goes unnoticed."""
     profile = load_profile(args)
-    if args.moe_parm_schedule != "auto" or not args.num_experts:
+    auto_schedule, auto_chunks = args.moe_parm_schedule == "auto", args.moe_parm_chunks == 0
+    names = ("s1", "s2") if auto_schedule else (args.moe_parm_schedule,)
+    if not args.num_experts or not (auto_schedule or auto_chunks) or \
+            not set(names) <= {"s1", "s2"}:
+        if auto_chunks:
+            args.moe_parm_chunks = 1
         return
-    path = args.moe_parm_cost_profile
-    source = path or f"the built-in default profile ({profile.description})"
-    chosen, predicted = choose_schedule(layer_shape(args), profile)
-    times = ", ".join(f"{name} {seconds * 1e3:.3f} ms" for name, seconds in predicted.items())
-    log(f"--moe-parm-schedule auto: predicted forward+backward per MoE layer {times} "
-        f"with {source}; using {chosen}")
-    args.moe_parm_schedule = chosen
+    shape = layer_shape(args)
+    depths = CHUNK_CHOICES if auto_chunks else (args.moe_parm_chunks,)
+    predicted = {}
+    for r in depths:
+        for name, seconds in price_schedules(replace(shape, chunks=r), profile, names).items():
+            if seconds is not None:
+                predicted[(name, r)] = seconds
+    if not predicted:
+        raise ValueError(f"no schedule among {names} can run this layer")
+    name, r = min(predicted, key=predicted.get)
+    source = args.moe_parm_cost_profile or \
+        f"the built-in default profile ({profile.description})"
+    label = (lambda n, d: f"{n} r={d}") if auto_chunks else (lambda n, d: n)
+    times = ", ".join(f"{label(n, d)} {t * 1e3:.3f} ms" for (n, d), t in predicted.items())
+    what = " and ".join(w for w, on in (("--moe-parm-schedule auto", auto_schedule),
+                                         ("--moe-parm-chunks 0", auto_chunks)) if on)
+    log(f"{what}: predicted forward+backward per MoE layer {times} with {source}; using "
+        f"{name}" + (f" with --moe-parm-chunks {r}" if auto_chunks else ""))
+    args.moe_parm_schedule, args.moe_parm_chunks = name, r

@@ -355,13 +355,16 @@ def test_simulate_cluster_small_grid(tmp_path, capsys):
 
 
 def test_pipeline_formula():
-    """pipeline_s(out, main, back, tail, r) with per-chunk times: r = 1 is the sum; with the
-    main thread's work no longer than the link's, it hides behind the AlltoAlls."""
-    assert pipeline_s(1.0, 1.0, 1.0, 0.5, 1) == 3.5
-    # totals: out 1, back 1, main 1, split in 4: the link is busy 2 s and the main work hides
-    assert pipeline_s(0.25, 0.25, 0.25, 0.0, 4) == pytest.approx(2.0)
-    # compute-bound: main 4 s in total; the link's first outbound and last return stick out
-    assert pipeline_s(0.25, 1.0, 0.25, 0.0, 4) == pytest.approx(0.25 + 4.0 + 0.25)
+    """pipeline_s with per-chunk (alpha, transfer) streams: r = 1 is the sum; streamed
+    AlltoAlls pay one latency; main work no longer than the link's hides behind it."""
+    none = (0.0, 0.0)
+    assert pipeline_s((0.1, 1.0), 1.0, (0.1, 1.0), (0.05, 0.5), 1) == pytest.approx(3.75)
+    # totals: out 1, back 1, main 1, in 4 pieces: the link is busy 2 s, the main work hides
+    assert pipeline_s((0.0, 0.25), 0.25, (0.0, 0.25), none, 4) == pytest.approx(2.0)
+    # a latency: the outbound stream pays it once; the returns queue behind a busy link
+    assert pipeline_s((0.1, 0.25), 0.25, (0.1, 0.25), none, 4) == pytest.approx(2.1)
+    # compute-bound: main 4 s in total; the first outbound and the last return stick out
+    assert pipeline_s((0.0, 0.25), 1.0, (0.0, 0.25), none, 4) == pytest.approx(0.25 + 4.0 + 0.25)
 
 
 @pytest.mark.parametrize("name,group", [("s1", "ep,esp"), ("s2", "ep,esp,mp")])

@@ -424,24 +424,25 @@ def step_load(step: Step, shape: LayerShape, held: Held) -> tuple:
     raise ValueError(f"unknown plan step {step}")
 
 
-def pipeline_s(out: float, main: float, back: float, tail: float, chunks: int) -> float:
-    """Seconds of the "pipeline" step's phase, each argument the time of ONE chunk: out (its
-    AlltoAll), main (what the main thread does with it: gather, expert, scatter), back (the
-    AlltoAll back), tail (s2's MP gather, 0 for s1). As the executor runs it: every outbound
-    AlltoAll is issued at once and they run back to back on the EP group; the main thread takes
-    chunk i when it has arrived and issues its AlltoAll back, which runs after the outbound
-    ones and the earlier returns on the same group; each return is then gathered over MP.
-    r = 1 is out + main + back + tail; a long r tends to max(r*(out + back), r*main)."""
-    link, main_free, tail_free = 0.0, 0.0, 0.0
-    arrived = []
+def pipeline_s(out: tuple, main: float, back: tuple, tail: tuple, chunks: int) -> float:
+    """Seconds of one phase of the "pipeline" step over r = chunks pieces. out, back, tail:
+    (alpha, transfer seconds of ONE chunk) of its AlltoAll, its AlltoAll back and s2's MP
+    gather ((0, 0) for s1); main: seconds the main thread spends on one chunk (gather, expert,
+    scatter). As the executor runs it: every outbound AlltoAll is issued at once, so they
+    stream back to back on the EP group and only the first pays its latency; the main thread
+    takes chunk i once it has arrived and issues its AlltoAll back, which follows the outbound
+    ones and earlier returns on the same group (paying its latency only if the group was
+    idle); each return is then gathered over MP. r = 1 is the sum of all of it; as r grows
+    the time tends to the longer of the link's transfers and the main thread's work."""
+    link, main_free, tail_free, arrived = 0.0, 0.0, 0.0, []
     for _ in range(chunks):
-        link += out
+        link = max(out[0] + out[1], link + out[1])
         arrived.append(link)
     for i in range(chunks):
         main_free = max(main_free, arrived[i]) + main
-        link = max(link, main_free) + back
-        tail_free = max(tail_free, link) + tail
-    return max(link, tail_free)
+        link = max(main_free + back[0] + back[1], link + back[1])
+        tail_free = max(link + tail[0] + tail[1], tail_free + tail[1])
+    return max(link, tail_free if tail != (0.0, 0.0) else 0.0)
 
 
 def pipelined_s(a_stream: tuple, b_stream: tuple, chunks: int) -> float:
@@ -476,18 +477,19 @@ def _pipeline_cost(load: StepLoad, shape: LayerShape, profile: Profile) -> tuple
     comm_factor, compute_factor, host, per_call = profile.layer
     r = load.chunks
 
-    def chunk_s(coll):  # one chunk's share of a collective, with its own alpha and call cost
+    def chunk(coll):  # (alpha + call cost, transfer) of one chunk's share of a collective
         if not coll:
-            return 0.0
+            return 0.0, 0.0
         (kind, group, sent), = coll
         alpha, beta = profile.collectives[kind][profile.link(shape, group)]
-        return (alpha + sent / r * beta) * comm_factor + per_call
+        return alpha * comm_factor + per_call, sent / r * beta * comm_factor
 
     work = _work_s(load.flops / r, load.moved / r, profile) * compute_factor
     phases = []
     for colls, weight in ((load.forward, 1), (load.backward, 2)):
-        out, ag, rs, back, tail = (chunk_s(c) for c in colls)
-        phases.append(pipeline_s(out, ag + rs + weight * work, back, tail, r) + weight * host)
+        out, ag, rs, back, tail = (chunk(c) for c in colls)
+        main = sum(ag) + sum(rs) + weight * work
+        phases.append(pipeline_s(out, main, back, tail, r) + weight * host)
     return tuple(phases)
 
 

@@ -12,7 +12,7 @@ machine, in three steps:
    on every configuration of the grid (grid(): tokens, hidden, ffn, experts, top-k, capacity
    factor, MP/EP/ESP and sequence parallelism on 4 ranks), each checked against the single-
    process reference, and writes OUT/bench_0.json; the schedules' iterations interleave.
-   --rounds (default 2) repeats it, every other round in reverse order, and the times are
+   --rounds (default 3) repeats it, every other round in reverse order, and the times are
    averaged: on this noisy machine one round's s1-s2 order flipped in about one configuration
    in five when the schedules were timed one after another.
 3. Fit and validate. The isolated alpha-beta and FLOP prices leave out how collectives,
@@ -347,7 +347,7 @@ def parse(argv):
                    help="calibrate collectives on groups of this many ranks")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per schedule")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=2,
+    p.add_argument("--rounds", type=int, default=3,
                    help="measure the grid this many times (alternating order), averaged")
     p.add_argument("--bench-json", default=None,
                    help="re-score earlier OUT/bench_*.json (comma-separated) instead of "

@@ -1,7 +1,10 @@
 """python tools/bench_moe_layer.py --nproc 4 --tensor-model-parallel-size 2 --expert-model-parallel-size 2 --expert-tensor-parallel-size 2 --num-experts 4 --moe-router-topk 2 --hidden-size 64 --moe-ffn-hidden-size 128 --seq-length 64 --micro-batch-size 2 --schedules baseline,s1,s2,megatron --iters 10 --warmup 2 --json bench.json
 
 One MoE layer, forward and backward, under several schedules in one launch: Parm's baseline
-(DeepSpeed-MoE TED), s1 and s2 (ParmMoELayer) and megatron-core's own MoELayer ("megatron").
+(DeepSpeed-MoE TED), s1 and s2 (ParmMoELayer; --moe-parm-chunks R pipelines them, 0 lets the
+cost model choose R), auto (the cost model's choice of s1/s2, shown as auto=s1/r4), and
+megatron-core's own MoELayer: "megatron" with --moe-token-dispatcher-type, or the peers
+"megatron-alltoall" and "megatron-allgather". --ratio-to NAME sets the ratio column's divisor.
 Every schedule gets the same full weights and the same data, and is checked against the
 single-process reference (parm_trainer/moe/reference.py); it is timed, and its collectives'
 bytes are read from parm_trainer.moe.comm.LEDGER.
@@ -75,7 +78,8 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|is depreca
 from parm_trainer.arguments import parse_args  # noqa: E402
 from parm_trainer.moe.reference import ACTIVATION, ROUTER  # noqa: E402
 
-SCHEDULE_NAMES = ("baseline", "s1", "s2", "megatron")
+SCHEDULE_NAMES = ("baseline", "s1", "s2", "auto", "megatron", "megatron-alltoall",
+                  "megatron-allgather")
 KINDS = ("alltoall", "allgather", "reducescatter", "allreduce")
 DIFF_KEYS = ("output", "input_grad", "gate_grad", "expert_grad", "aux_loss")
 TOOL_HELP = f"""\
@@ -105,6 +109,8 @@ def add_tool_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--schedules", default="baseline,s1,s2,megatron",
                    help=f"Comma-separated schedules to run, from {','.join(SCHEDULE_NAMES)}. "
                         "One that cannot run the layout is reported as skipped, with the reason.")
+    g.add_argument("--ratio-to", default="baseline",
+                   help="The entry of --schedules the ratio column divides by (default baseline).")
     g.add_argument("--iters", type=int, default=10, help="Timed iterations (median reported).")
     g.add_argument("--warmup", type=int, default=2, help="Untimed iterations first.")
     g.add_argument("--json", default=None, help="Write the results here (rank 0).")
@@ -429,7 +435,7 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
     from parm_trainer.moe.comm import LEDGER
 
     config = transformer_config(args)
-    layer = build_layer(name, config, args)
+    layer = build_layer(args.moe_parm_schedule, config, args)
     shards = load_weights(layer, weights, args)
     layer.to(device)
     layer.train()
@@ -458,7 +464,7 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
     x, out, _, _ = step()
     bytes_local = _ledger_snapshot()
     aux = _tracked_aux(device)
-    ref = replica.reference(_gate_calls(name, args))
+    ref = replica.reference(_gate_calls(args.moe_parm_schedule, args))
 
     diffs, scale = {}, {}
     full_out = _gather_mp(out.detach(), sp)
@@ -515,9 +521,11 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
         "status": "ok",
         "plan": str(layer.plan) if hasattr(layer, "plan") else
                 f"megatron-core MoELayer ({args.moe_token_dispatcher_type} dispatcher)",
+        "chunks": args.moe_parm_chunks,
+        "auto_choice": args.auto_choice,
         "forward_ms": None,
         "backward_ms": None,
-        "bytes": None if name == "megatron" else _bytes_report(ledger),
+        "bytes": None if args.moe_parm_schedule == "megatron" else _bytes_report(ledger),
         # the busiest node's outgoing bytes (forward + backward) and their time on its link
         "cross_node_bytes": None if None in cross else _busiest_node(cross),
         "max_abs_diff": diffs,
@@ -572,6 +580,7 @@ def _config_summary(args):
         "moe_pad_expert_input_to_capacity": args.moe_pad_expert_input_to_capacity,
         "moe_token_drop_policy": args.moe_token_drop_policy,
         "moe_parm_chunks": args.moe_parm_chunks,
+        "ratio_to": args.ratio_to,
         "moe_aux_loss_coeff": args.moe_aux_loss_coeff,
         "moe_token_dispatcher_type": args.moe_token_dispatcher_type,
         "init_method_std": args.init_method_std,
@@ -583,17 +592,35 @@ def _config_summary(args):
     }
 
 
+def _trial(args, name):
+    """args for one entry of --schedules: megatron-alltoall / megatron-allgather are
+    megatron-core's MoELayer with that token dispatcher; auto is the schedule (and, with
+    --moe-parm-chunks 0, the pipeline depth) the cost model picks for this layer, from
+    --moe-parm-cost-profile or the built-in profile."""
+    from parm_trainer.moe.auto import resolve_auto_schedule
+
+    trial = copy.copy(args)
+    if name.startswith("megatron-"):
+        trial.moe_parm_schedule = "megatron"
+        trial.moe_token_dispatcher_type = name.split("-", 1)[1]
+    else:
+        trial.moe_parm_schedule = name
+    said = []
+    resolve_auto_schedule(trial, log=said.append)
+    trial.auto_choice = said[0] if said else None
+    return trial
+
+
 def run_config(args, name=None, dump_dir=None):
     """Every schedule of args on this world; returns {"name", "config", "schedules"}."""
     from parm_trainer.parallel import LayoutError, validate_layout
 
     runnable, results = [], {}
     for schedule in args.schedule_list:
-        trial = copy.copy(args)
-        trial.moe_parm_schedule = schedule
         try:
+            trial = _trial(args, schedule)
             validate_layout(trial)
-        except LayoutError as error:
+        except (LayoutError, ValueError) as error:  # ValueError: auto found nothing to run
             results[schedule] = {"status": "skipped", "reason": str(error)}
             continue
         runnable.append((schedule, trial))
@@ -615,11 +642,11 @@ def run_config(args, name=None, dump_dir=None):
         time_schedules(timed, args)
         results.update({schedule: result for schedule, (result, _) in timed.items()})
     ordered = {s: results[s] for s in args.schedule_list}
-    base = ordered.get("baseline", {})
+    base = ordered.get(args.ratio_to, {})
     base_total = _total_ms(base)
     for result in ordered.values():
         total = _total_ms(result)
-        result["fwd_bwd_ratio_to_baseline"] = (total / base_total
+        result["fwd_bwd_ratio"] = (total / base_total
                                                if total is not None and base_total else None)
         cross = result.get("cross_node_bytes")
         result["link_floor_ms"] = (cross / args.link_bytes_per_s * 1e3
@@ -667,10 +694,13 @@ def format_table(run) -> str:
                                                       r["bytes"]["backward"][kind])]
                 kib.append(format(max(per_rank) / 1024, ".1f"))
         d = r["max_abs_diff"]
+        if r.get("auto_choice"):  # what the cost model chose: auto=s1/r4, or s1/r4 (chunks 0)
+            name = (f"{name}={r['plan'].split(':')[0]}" if name == "auto" else name) + \
+                f"/r{r['chunks']}"
         rows.append((name,
                      f"{_fmt(f and f['rank0'], '.2f')}/{_fmt(f and f['max'], '.2f')}",
                      f"{_fmt(b and b['rank0'], '.2f')}/{_fmt(b and b['max'], '.2f')}",
-                     _fmt(r["fwd_bwd_ratio_to_baseline"], ".2f"), *kib,
+                     _fmt(r["fwd_bwd_ratio"], ".2f"), *kib,
                      _fmt(r["cross_node_bytes"] and r["cross_node_bytes"] / 1024, ".1f"),
                      _fmt(r["link_floor_ms"], ".1f"),
                      _fmt(r["link_floor_ms"] and _total_ms(r) / r["link_floor_ms"], ".2f"),
@@ -684,7 +714,7 @@ def format_table(run) -> str:
         else:
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
     lines.append("bytes: sent per rank (max over ranks), forward + backward, one iteration; "
-                 "ratio: (fwd + bwd, max over ranks) / baseline's; node KiB: sent off the "
+                 f"ratio: (fwd + bwd, max over ranks) / {c['ratio_to']}'s; node KiB: sent off the "
                  "busiest node (forward + backward); floor ms: that over --inter-node-rate; "
                  "x floor: fwd + bwd / floor; d: max abs diff to reference.py")
     return "\n".join(lines)

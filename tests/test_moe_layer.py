@@ -109,6 +109,9 @@ def check_correct(configs, runs):
         assert list(run["schedules"]) == wanted, (c["name"], list(run["schedules"]))
         for schedule, result in run["schedules"].items():
             where = f"{c['name']}/{schedule}"
+            if schedule.startswith("deepspeed") and result["status"] == "skipped" and \
+                    "DeepSpeed is not installed" in result["reason"]:
+                continue  # the optional extra .[peers]; make test does not install it
             if not should_run(schedule, mp, esp, sp):
                 if result["status"] != "skipped" or not result.get("reason"):
                     problems.append(f"{where}: expected skipped with a reason, got {result}")
@@ -116,7 +119,8 @@ def check_correct(configs, runs):
             if result["status"] != "ok":
                 problems.append(f"{where}: {result}")
                 continue
-            for key in DIFF_KEYS:
+            # DeepSpeed's rows compare output and input grad (bench_moe_layer.run_peer)
+            for key in DIFF_KEYS[:2] if schedule.startswith("deepspeed") else DIFF_KEYS:
                 diff = result["max_abs_diff"][key]
                 if diff is None or not diff < TOL:
                     problems.append(f"{where}: {key} differs by {diff}")
@@ -211,7 +215,8 @@ def test_four_ranks_every_layout_chunks_and_bytes(tmp_path):
                **{"moe-token-dispatcher-type": "allgather", "schedules": "megatron"}),
         # the peers by name, and auto with the pipeline depth left to the cost model
         config(2, 2, 2, sp=True, name="peers-auto",
-               **{"moe-parm-chunks": 0, "schedules": "auto,megatron-alltoall,megatron-allgather"}),
+               **{"moe-parm-chunks": 0,
+                  "schedules": "auto,megatron-alltoall,megatron-allgather,deepspeed-ted"}),
         # Token dropping: capacity counted per gate call, as the reference does for each.
         config(2, 2, 2, name="drop", **{"moe-expert-capacity-factor": 1.0}),
         config(2, 2, 2, sp=True, name="drop-sp", **{"moe-expert-capacity-factor": 1.0}),

@@ -79,7 +79,7 @@ from parm_trainer.arguments import parse_args  # noqa: E402
 from parm_trainer.moe.reference import ACTIVATION, ROUTER  # noqa: E402
 
 SCHEDULE_NAMES = ("baseline", "s1", "s2", "auto", "megatron", "megatron-alltoall",
-                  "megatron-allgather")
+                  "megatron-allgather", "deepspeed-ep", "deepspeed-dedup", "deepspeed-ted")
 KINDS = ("alltoall", "allgather", "reducescatter", "allreduce")
 DIFF_KEYS = ("output", "input_grad", "gate_grad", "expert_grad", "aux_loss")
 TOOL_HELP = f"""\
@@ -320,7 +320,7 @@ class Replica:
             return full.clone()
         return full.chunk(self.mp_size, dim=0)[self.mp_rank].contiguous()
 
-    def reference(self, gate_calls: int):
+    def reference(self, gate_calls: int, aux: bool = True):
         """Reference output, input grad and raw aux on this replica; weight grads summed over
         all replicas (an all-reduce over the DP group: every rank must ask for the same keys in
         the same order)."""
@@ -331,29 +331,30 @@ class Replica:
         args = self.args
         if args.moe_expert_capacity_factor is None:
             gate_calls = 1
-        if gate_calls not in self._refs:
+        coeff = args.moe_aux_loss_coeff if aux else 0.0
+        if (gate_calls, coeff) not in self._refs:
             s, b, m = self.input.shape
             x = self.input.reshape(s * b, m).clone().requires_grad_()
             w = {k: v.clone().requires_grad_() for k, v in self.weights.items()}
             ref = moe_reference(x, w["gate"], w["fc1"], w["fc2"], args.moe_router_topk,
-                                aux_loss_coeff=args.moe_aux_loss_coeff,
+                                aux_loss_coeff=coeff,
                                 capacity_factor=args.moe_expert_capacity_factor,
                                 gate_calls=gate_calls)
             objective = (ref.output * self.output_grad.reshape(s * b, m)).sum()
-            if args.moe_aux_loss_coeff:
+            if coeff:
                 objective = objective + ref.aux_loss
             objective.backward()
             grads = {k: v.grad.detach().clone() for k, v in w.items()}
             dp_group = parallel_state.get_data_parallel_group()
             for k in ("gate", "fc1", "fc2"):
                 torch.distributed.all_reduce(grads[k], group=dp_group)
-            self._refs[gate_calls] = {
+            self._refs[(gate_calls, coeff)] = {
                 "output": ref.output.detach().view(s, b, m),
                 "input_grad": x.grad.detach().view(s, b, m),
                 "aux_loss": ref.raw_aux_loss.detach(),
                 **{f"{k}_grad_total": v for k, v in grads.items()},
             }
-        return self._refs[gate_calls]
+        return self._refs[(gate_calls, coeff)]
 
 
 def _gather_mp(local, sequence_parallel):
@@ -427,6 +428,25 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
+def _timed_step(layer, forward, x_local, g_local):
+    """One forward + backward of forward(x) on a fresh copy of x_local with output grad
+    g_local: (x, out, forward ms, backward ms)."""
+    def step():
+        for p in layer.parameters():
+            p.grad = None
+        x = x_local.detach().clone().requires_grad_()
+        _sync()
+        t0 = time.perf_counter()
+        out = forward(x)
+        _sync()
+        t1 = time.perf_counter()
+        out.backward(g_local)
+        _sync()
+        t2 = time.perf_counter()
+        return x, out, (t1 - t0) * 1e3, (t2 - t1) * 1e3
+    return step
+
+
 def run_schedule(name, args, replica, weights, device, dump_dir):
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
@@ -444,19 +464,7 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
     x_local = replica.local(replica.input, sp)
     g_local = replica.local(replica.output_grad, sp)
 
-    def step():
-        for p in layer.parameters():
-            p.grad = None
-        x = x_local.detach().clone().requires_grad_()
-        _sync()
-        t0 = time.perf_counter()
-        out, _ = layer(x)
-        _sync()
-        t1 = time.perf_counter()
-        out.backward(g_local)
-        _sync()
-        t2 = time.perf_counter()
-        return x, out, (t1 - t0) * 1e3, (t2 - t1) * 1e3
+    step = _timed_step(layer, lambda x: layer(x)[0], x_local, g_local)
 
     # One iteration for correctness and bytes.
     _clear_tracker()
@@ -535,6 +543,43 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
     return result, step
 
 
+def run_peer(name, args, replica, weights, device, dump_dir):
+    """A DeepSpeed MoE layer (tools/deepspeed_peer.py) on the same weights and input, its
+    output and input grad checked against the reference. Its objective leaves out the aux
+    loss: DeepSpeed's top-2 aux loss is GShard's, not megatron-core's (a definition, not an
+    error), so the reference is taken without it too; gate, expert and aux comparisons are
+    left to Parm's rows. Its collectives are DeepSpeed's own, outside the byte ledger."""
+    import deepspeed_peer
+
+    layer = deepspeed_peer.build(args.peer, args, weights, device)
+    sp = args.sequence_parallel
+    x_local = replica.local(replica.input, sp)
+    g_local = replica.local(replica.output_grad, sp)
+
+    step = _timed_step(layer, lambda x: deepspeed_peer.forward(layer, x)[0], x_local, g_local)
+
+    x, out, _, _ = step()
+    ref = replica.reference(1, aux=False)  # DeepSpeed gates every MP rank's full token set
+    full_out, full_in_grad = _gather_mp(out.detach(), sp), _gather_mp(x.grad.detach(), sp)
+    diffs = {key: None for key in DIFF_KEYS}
+    scale = dict(diffs)
+    for key, got in (("output", full_out), ("input_grad", full_in_grad)):
+        diffs[key] = _max_over_ranks((got - ref[key]).abs().max().item())
+        scale[key] = ref[key].abs().max().item()
+    if dump_dir and torch.distributed.get_rank() == 0:
+        s, b, m = full_out.shape
+        torch.save(full_out.reshape(s * b, m).cpu(), os.path.join(dump_dir, f"{name}_output.pt"))
+        torch.save(full_in_grad.reshape(s * b, m).cpu(),
+                   os.path.join(dump_dir, f"{name}_input_grad.pt"))
+    note = " (top-1: DeepSpeed weights the expert by its softmax probability over all experts," \
+        " the reference by 1)" if args.moe_router_topk == 1 else ""
+    result = {"status": "ok", "plan": f"deepspeed.moe.layer.MoE ({args.peer}){note}",
+              "chunks": None, "auto_choice": None, "forward_ms": None, "backward_ms": None,
+              "bytes": None, "cross_node_bytes": None, "max_abs_diff": diffs,
+              "reference_max_abs": scale, "aux_loss": None}
+    return result, step
+
+
 def time_schedules(timed: dict, args) -> None:
     """Fill each result's forward_ms / backward_ms: the schedules' iterations interleave (one
     iteration of each in turn), so a change of the machine's speed during the run touches
@@ -592,6 +637,16 @@ def _config_summary(args):
     }
 
 
+class PeerCannotRun(Exception):
+    """Stand-in when tools/deepspeed_peer.py cannot be imported (it defines the real one)."""
+
+
+try:
+    from deepspeed_peer import PeerCannotRun  # noqa: F811
+except ImportError:
+    pass
+
+
 def _trial(args, name):
     """args for one entry of --schedules: megatron-alltoall / megatron-allgather are
     megatron-core's MoELayer with that token dispatcher; auto is the schedule (and, with
@@ -600,6 +655,9 @@ def _trial(args, name):
     from parm_trainer.moe.auto import resolve_auto_schedule
 
     trial = copy.copy(args)
+    trial.peer = name.split("-", 1)[1] if name.startswith("deepspeed-") else None
+    if trial.peer:
+        return trial
     if name.startswith("megatron-"):
         trial.moe_parm_schedule = "megatron"
         trial.moe_token_dispatcher_type = name.split("-", 1)[1]
@@ -619,6 +677,9 @@ def run_config(args, name=None, dump_dir=None):
     for schedule in args.schedule_list:
         try:
             trial = _trial(args, schedule)
+            if trial.peer:  # DeepSpeed checks its own layouts (deepspeed_peer.build)
+                runnable.append((schedule, trial))
+                continue
             validate_layout(trial)
         except (LayoutError, ValueError) as error:  # ValueError: auto found nothing to run
             results[schedule] = {"status": "skipped", "reason": str(error)}
@@ -637,8 +698,13 @@ def run_config(args, name=None, dump_dir=None):
                        os.path.join(dump_dir, "output_grad.pt"))
             torch.save({**weights, "activation": ACTIVATION, "router": ROUTER},
                        os.path.join(dump_dir, "weights.pt"))
-        timed = {schedule: run_schedule(schedule, trial, replica, weights, device, dump_dir)
-                 for schedule, trial in runnable}
+        timed = {}
+        for schedule, trial in runnable:
+            runner = run_peer if trial.peer else run_schedule
+            try:
+                timed[schedule] = runner(schedule, trial, replica, weights, device, dump_dir)
+            except PeerCannotRun as error:  # raised on every rank alike, before any timing
+                results[schedule] = {"status": "skipped", "reason": str(error)}
         time_schedules(timed, args)
         results.update({schedule: result for schedule, (result, _) in timed.items()})
     ordered = {s: results[s] for s in args.schedule_list}

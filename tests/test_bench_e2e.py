@@ -1,0 +1,44 @@
+"""tools/bench_e2e.py without launches: it reads the training log's ms/iter and tokens/s, drops
+the first logged interval (start-up), and refuses a log with too few intervals."""
+
+import importlib.util
+
+import pytest
+
+from conftest import ROOT
+
+spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "tools/bench_e2e.py")
+tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tool)
+
+LOG = """validation (start) at iteration 0 | lm loss 8.975361 | ppl 7905.871
+iteration     10/30 | lm loss 7.9 | lr 1.0e-03 | grad norm 1.4 | load_balancing_loss 1.0 | ms/iter 900.0 | tokens/s 2276 | TFLOP/s/device 0.01 | ETA 0.3 min
+tokens per expert at iteration 10 | layer 1: 1016 1269 777 1034
+iteration     20/30 | lm loss 7.5 | lr 5.0e-04 | grad norm 1.3 | load_balancing_loss 1.0 | ms/iter 400.0 | tokens/s 5120 | TFLOP/s/device 0.01 | ETA 0.1 min
+iteration     30/30 | lm loss 7.2 | lr 0.0e+00 | grad norm 1.4 | load_balancing_loss 1.0 | ms/iter 500.0 | tokens/s 4096 | TFLOP/s/device 0.01 | ETA 0.0 min
+"""
+
+
+def test_intervals_and_run_figure():
+    rows = tool.intervals(LOG)
+    assert rows == [(10, 900.0, 2276.0), (20, 400.0, 5120.0), (30, 500.0, 4096.0)]
+    assert tool.run_figure(rows) == pytest.approx(450.0)  # the first interval is start-up
+    with pytest.raises(ValueError, match="at least 2 logged intervals"):
+        tool.run_figure(rows[:1])
+
+
+def test_commands_run_one_node_or_emulated_nodes(tmp_path):
+    (tmp_path / "corpus.idx").write_text("")
+    (tmp_path / "tok.model").write_text("")
+    args = tool.parse(["--schedules", "s1,megatron", "--out-dir", str(tmp_path), "--data-path",
+                       str(tmp_path / "corpus"), "--tokenizer-model", str(tmp_path / "tok.model"),
+                       "--", "--bf16"])
+    one = tool.command(args, "s1", str(tmp_path / "r"))
+    assert one[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    assert one[one.index("--moe-parm-schedule") + 1] == "s1" and "--sequence-parallel" in one
+    assert one[-1] == "--bf16"  # extra flags go last
+    args.nodes = 2
+    two = tool.command(args, "megatron", str(tmp_path / "r"))
+    assert two[1].endswith("emulated_cluster.py") and two[two.index("--procs-per-node") + 1] == "2"
+    with pytest.raises(SystemExit):
+        tool.parse(["--data-path", str(tmp_path / "missing")])

@@ -1,0 +1,154 @@
+"""python tools/bench_e2e.py --nproc 4 --schedules baseline,s1,s2,auto,megatron --runs 3
+
+Training speed of pretrain_gpt_moe.py under each MoE schedule, end to end: the demo-sized MoE
+GPT (4 layers, hidden 128, 4 experts, top-2, sequence 128, TP2 x EP2 x ESP2 with sequence
+parallelism on 4 ranks, as `make demo`) on the same data with the same seed, --train-iters
+iterations per run. The runs alternate (schedule A, B, C, then A, B, C again, ...) so that a
+change of the machine's speed touches every schedule alike, and each schedule's figure is the
+median over its --runs runs of the mean ms/iter of the logged intervals after the first (the
+first holds the start-up). tokens/s = global batch x sequence / (ms/iter).
+
+--nodes N runs every launch across N emulated nodes (tools/emulated_cluster.py, as root) with
+--inter-node-bandwidth between them. Extra flags after -- go to pretrain_gpt_moe.py, last.
+Writes --json (every run's figures) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*\| ms/iter ([\d.]+) \| tokens/s ([\d.]+)")
+MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
+         "--seq-length", "128", "--max-position-embeddings", "128", "--disable-bias-linear",
+         "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256",
+         "--moe-aux-loss-coeff", "0.01", "--micro-batch-size", "4", "--global-batch-size", "16",
+         "--lr", "1e-3", "--lr-warmup-iters", "0", "--seed", "1234", "--split", "969,30,1",
+         "--eval-iters", "0", "--tokenizer-type", "SentencePieceTokenizer"]
+
+
+def intervals(output: str) -> list:
+    """[(iteration, ms/iter, tokens/s)] of the training log lines in output."""
+    return [(int(i), float(ms), float(tps)) for i, ms, tps in LINE.findall(output)]
+
+
+def run_figure(rows: list) -> float:
+    """Mean ms/iter of the logged intervals after the first (start-up, warm-up)."""
+    if len(rows) < 2:
+        raise ValueError(f"need at least 2 logged intervals, got {len(rows)}: raise "
+                         "--train-iters or lower --log-interval")
+    return statistics.fmean(ms for _, ms, _ in rows[1:])
+
+
+def command(args, schedule: str, run_dir: str) -> list:
+    flags = ["--tensor-model-parallel-size", str(args.tp), "--expert-model-parallel-size",
+             str(args.ep), "--expert-tensor-parallel-size", str(args.tp), *MODEL,
+             "--train-iters", str(args.train_iters), "--log-interval", str(args.log_interval),
+             "--eval-interval", str(args.train_iters + 1), "--data-path", args.data_path,
+             "--tokenizer-model", args.tokenizer_model, "--data-cache-path",
+             os.path.join(run_dir, "data_cache"), "--moe-parm-schedule", schedule]
+    if args.tp > 1:
+        flags.append("--sequence-parallel")
+    flags += args.extra
+    if args.nodes > 1:
+        return [sys.executable, os.path.join(ROOT, "tools", "emulated_cluster.py"), "--nodes",
+                str(args.nodes), "--procs-per-node", str(args.nproc // args.nodes),
+                "--inter-node-bandwidth", args.inter_node_bandwidth, "--log-dir",
+                os.path.join(run_dir, "nodes"), "--", "pretrain_gpt_moe.py", *flags]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(args.nproc), "pretrain_gpt_moe.py", *flags]
+
+
+def collect_output(args, run_dir: str, stdout: str) -> str:
+    """The training log: stdout on one node; across emulated nodes megatron prints on the
+    last rank, which is in the last node's log."""
+    if args.nodes == 1:
+        return stdout
+    with open(os.path.join(run_dir, "nodes", f"node{args.nodes - 1}.log")) as f:
+        return f.read()
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--tp", type=int, default=2, help="MP = ESP")
+    p.add_argument("--ep", type=int, default=2)
+    p.add_argument("--schedules", default="baseline,s1,s2,auto,megatron")
+    p.add_argument("--runs", type=int, default=3, help="runs per schedule (median)")
+    p.add_argument("--train-iters", type=int, default=40)
+    p.add_argument("--log-interval", type=int, default=10)
+    p.add_argument("--data-path", default="data/demo/corpus_text_document")
+    p.add_argument("--tokenizer-model", default="data/demo/tokenizer.model")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--inter-node-bandwidth", default="200mbit")
+    p.add_argument("--out-dir", default="runs/bench_e2e")
+    p.add_argument("--json", default=None, help="default: OUT_DIR/bench_e2e.json")
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="-- flags for pretrain_gpt_moe.py")
+    args = p.parse_args(argv)
+    args.extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    args.schedule_list = [s for s in args.schedules.split(",") if s]
+    if args.runs < 1 or args.nproc % args.nodes:
+        p.error("--runs must be >= 1 and --nproc a multiple of --nodes")
+    for path in (args.data_path + ".idx", args.tokenizer_model):
+        if not os.path.exists(os.path.join(ROOT, path)):
+            p.error(f"{path} not found: run `make data` first, or pass --data-path and "
+                    "--tokenizer-model")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    os.makedirs(args.out_dir, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    runs = {s: [] for s in args.schedule_list}
+    for r in range(args.runs):
+        order = args.schedule_list[r % len(args.schedule_list):] + \
+            args.schedule_list[:r % len(args.schedule_list)]  # rotate who goes first
+        for schedule in order:
+            run_dir = os.path.join(args.out_dir, f"{schedule}_{r}")
+            start = time.monotonic()
+            done = subprocess.run(command(args, schedule, run_dir), cwd=ROOT, env=env,
+                                  capture_output=True, text=True)
+            output = collect_output(args, run_dir, done.stdout + done.stderr)
+            if done.returncode != 0:
+                print(output[-3000:], file=sys.stderr)
+                print(f"bench_e2e: {schedule} run {r + 1} failed (exit {done.returncode})",
+                      file=sys.stderr)
+                return 1
+            rows = intervals(output)
+            chosen = re.search(r"using (s[12])", output)
+            runs[schedule].append({"ms_per_iter": run_figure(rows), "intervals": rows,
+                                   "tokens_per_iter": rows[-1][1] * rows[-1][2] / 1e3,
+                                   "wall_s": time.monotonic() - start,
+                                   "chosen": chosen.group(1) if chosen else None})
+            print(f"run {r + 1}/{args.runs} {schedule:<10} {runs[schedule][-1]['ms_per_iter']:8.1f}"
+                  f" ms/iter", flush=True)
+    print(f"\n{'schedule':<12}{'ms/iter':>10}{'tokens/s':>10}  runs (ms/iter)")
+    summary = {}
+    for schedule, results in runs.items():
+        ms = statistics.median(x["ms_per_iter"] for x in results)
+        tokens = round(results[0]["tokens_per_iter"])  # global batch x sequence
+        summary[schedule] = {"ms_per_iter": ms, "tokens_per_s": tokens / ms * 1e3,
+                             "runs": [x["ms_per_iter"] for x in results],
+                             "chosen": results[0]["chosen"]}
+        name = f"{schedule}={results[0]['chosen']}" if schedule == "auto" else schedule
+        print(f"{name:<12}{ms:>10.1f}{tokens / ms * 1e3:>10.0f}  "
+              + ", ".join(f"{x['ms_per_iter']:.1f}" for x in results))
+    path = args.json or os.path.join(args.out_dir, "bench_e2e.json")
+    with open(path, "w") as f:
+        json.dump({"argv": argv if argv is not None else sys.argv[1:], "summary": summary,
+                   "runs": runs}, f, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,6 +25,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+from emulated_cluster import command_line  # noqa: E402
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*\| ms/iter ([\d.]+) \| tokens/s ([\d.]+)")
 MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
          "--seq-length", "128", "--max-position-embeddings", "128", "--disable-bias-linear",
@@ -58,10 +61,8 @@ def command(args, schedule: str, run_dir: str) -> list:
         flags.append("--sequence-parallel")
     flags += args.extra
     if args.nodes > 1:
-        return [sys.executable, os.path.join(ROOT, "tools", "emulated_cluster.py"), "--nodes",
-                str(args.nodes), "--procs-per-node", str(args.nproc // args.nodes),
-                "--inter-node-bandwidth", args.inter_node_bandwidth, "--log-dir",
-                os.path.join(run_dir, "nodes"), "--", "pretrain_gpt_moe.py", *flags]
+        return command_line(args.nodes, args.nproc // args.nodes, args.inter_node_bandwidth,
+                            os.path.join(run_dir, "nodes"), ["pretrain_gpt_moe.py", *flags])
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
             str(args.nproc), "pretrain_gpt_moe.py", *flags]
 

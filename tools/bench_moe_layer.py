@@ -78,6 +78,8 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|is depreca
 from parm_trainer.arguments import parse_args  # noqa: E402
 from parm_trainer.moe.reference import ACTIVATION, ROUTER  # noqa: E402
 
+from deepspeed_peer import PeerCannotRun  # noqa: E402 (tools/; imports DeepSpeed only when used)
+
 SCHEDULE_NAMES = ("baseline", "s1", "s2", "auto", "megatron", "megatron-alltoall",
                   "megatron-allgather", "deepspeed-ep", "deepspeed-dedup", "deepspeed-ted")
 KINDS = ("alltoall", "allgather", "reducescatter", "allreduce")
@@ -428,6 +430,15 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
+def _dump_result(dump_dir, name, full_out, full_in_grad):
+    """--dump: NAME_output.pt and NAME_input_grad.pt of data-parallel replica 0, as (T, M)."""
+    if dump_dir and torch.distributed.get_rank() == 0:
+        s, b, m = full_out.shape
+        torch.save(full_out.reshape(s * b, m).cpu(), os.path.join(dump_dir, f"{name}_output.pt"))
+        torch.save(full_in_grad.reshape(s * b, m).cpu(),
+                   os.path.join(dump_dir, f"{name}_input_grad.pt"))
+
+
 def _timed_step(layer, forward, x_local, g_local):
     """One forward + backward of forward(x) on a fresh copy of x_local with output grad
     g_local: (x, out, forward ms, backward ms)."""
@@ -513,11 +524,7 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
         if diffs[key] is not None:
             diffs[key] = _max_over_ranks(diffs[key])
 
-    if dump_dir and torch.distributed.get_rank() == 0:
-        s, b, m = full_out.shape
-        torch.save(full_out.reshape(s * b, m).cpu(), os.path.join(dump_dir, f"{name}_output.pt"))
-        torch.save(full_in_grad.reshape(s * b, m).cpu(),
-                   os.path.join(dump_dir, f"{name}_input_grad.pt"))
+    _dump_result(dump_dir, name, full_out, full_in_grad)
     del x, out
 
     ledger = [None] * torch.distributed.get_world_size()
@@ -566,11 +573,7 @@ def run_peer(name, args, replica, weights, device, dump_dir):
     for key, got in (("output", full_out), ("input_grad", full_in_grad)):
         diffs[key] = _max_over_ranks((got - ref[key]).abs().max().item())
         scale[key] = ref[key].abs().max().item()
-    if dump_dir and torch.distributed.get_rank() == 0:
-        s, b, m = full_out.shape
-        torch.save(full_out.reshape(s * b, m).cpu(), os.path.join(dump_dir, f"{name}_output.pt"))
-        torch.save(full_in_grad.reshape(s * b, m).cpu(),
-                   os.path.join(dump_dir, f"{name}_input_grad.pt"))
+    _dump_result(dump_dir, name, full_out, full_in_grad)
     note = " (top-1: DeepSpeed weights the expert by its softmax probability over all experts," \
         " the reference by 1)" if args.moe_router_topk == 1 else ""
     result = {"status": "ok", "plan": f"deepspeed.moe.layer.MoE ({args.peer}){note}",
@@ -635,16 +638,6 @@ def _config_summary(args):
         "router": ROUTER,
         "activation": ACTIVATION,
     }
-
-
-class PeerCannotRun(Exception):
-    """Stand-in when tools/deepspeed_peer.py cannot be imported (it defines the real one)."""
-
-
-try:
-    from deepspeed_peer import PeerCannotRun  # noqa: F811
-except ImportError:
-    pass
 
 
 def _trial(args, name):

@@ -173,6 +173,14 @@ class Cluster:
         self.created.clear()
 
 
+def command_line(nodes: int, procs_per_node: int, bandwidth: str, log_dir: str,
+                 script_and_args: list) -> list:
+    """The command that runs script_and_args on `nodes` emulated nodes (for other tools)."""
+    return [sys.executable, os.path.abspath(__file__), "--nodes", str(nodes), "--procs-per-node",
+            str(procs_per_node), "--inter-node-bandwidth", bandwidth, "--log-dir", log_dir, "--",
+            *script_and_args]
+
+
 def node_env(cluster: Cluster, node: int, procs: int, port: int) -> dict:
     env = dict(os.environ)
     env.update(NNODES=str(cluster.nodes), NODE_RANK=str(node), NPROC_PER_NODE=str(procs),

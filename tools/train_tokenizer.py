@@ -27,9 +27,9 @@ import sentencepiece as spm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from parm_trainer.data.jsonl import iter_jsonl_texts  # noqa: E402
+from parm_trainer.data.tokenizer import BERT_SYMBOLS  # noqa: E402
 
 SPECIAL_IDS = {"pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
-BERT_SYMBOLS = ["[CLS]", "[SEP]", "[MASK]"]  # get ids 4, 5, 6
 
 
 def iter_training_lines(path, keys):
@@ -74,7 +74,7 @@ def train(args):
         model_prefix=args.output_prefix,
         vocab_size=args.vocab_size,
         model_type=args.model_type,
-        user_defined_symbols=BERT_SYMBOLS,
+        user_defined_symbols=list(BERT_SYMBOLS),  # ids 4, 5, 6
         **SPECIAL_IDS,
         byte_fallback=args.byte_fallback,
         character_coverage=args.character_coverage,

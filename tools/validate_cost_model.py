@@ -323,10 +323,11 @@ def _tool(args, script: str, *tool_args) -> list:
     if args.nodes == 1:
         return [sys.executable, os.path.join(TOOLS, script), "--nproc", str(args.nproc),
                 *tool_args]
-    return [sys.executable, os.path.join(TOOLS, "emulated_cluster.py"), "--nodes",
-            str(args.nodes), "--procs-per-node", str(args.nproc // args.nodes),
-            "--inter-node-bandwidth", args.inter_node_bandwidth, "--log-dir",
-            os.path.join(args.out_dir, "nodes"), "--", os.path.join(TOOLS, script), *tool_args]
+    from emulated_cluster import command_line
+
+    return command_line(args.nodes, args.nproc // args.nodes, args.inter_node_bandwidth,
+                        os.path.join(args.out_dir, "nodes"),
+                        [os.path.join(TOOLS, script), *tool_args])
 
 
 def _run(command: list, what: str) -> None:

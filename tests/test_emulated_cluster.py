@@ -73,12 +73,23 @@ def test_two_nodes_train_like_one(gpt_data, tmp_path):
 
 
 def test_failing_command_leaves_nothing_behind(tmp_path):
+    """Node 1 fails; node 0 first shows what its namespace was given: the shaped link and TCP
+    settings that fill it (reno, no slow start after idle)."""
     script = tmp_path / "fail.py"
-    script.write_text("import os, sys\nsys.exit(3 if os.environ['NODE_RANK'] == '1' else 0)\n")
-    run, left = emulated([str(script)], tmp_path, timeout=120)
+    script.write_text(
+        "import os, subprocess, sys\n"
+        "if os.environ['NODE_RANK'] == '1':\n    sys.exit(3)\n"
+        "if os.environ['LOCAL_RANK'] == '0':\n"
+        "    show = 'sysctl -n net.ipv4.tcp_congestion_control net.ipv4.tcp_slow_start_after_idle;'\n"
+        "    print(subprocess.run(show + ' tc qdisc show', shell=True, capture_output=True,\n"
+        "                         text=True).stdout, flush=True)\n")
+    run, left = emulated([str(script)], tmp_path, "--inter-node-bandwidth", "200mbit",
+                         timeout=120)
     assert run.returncode != 0
     assert "node 1 exited" in run.stderr
     assert left == [], left
+    shown = (tmp_path / "logs/node0.log").read_text()
+    assert "reno\n0\n" in shown and "tbf" in shown and "rate 200Mbit" in shown, shown
 
 
 def test_bad_requests_are_refused(tmp_path):

@@ -30,9 +30,11 @@ on the group; a call's time is the maximum over the group's ranks (all_reduce MA
 time is the median over the repeats. alpha and beta are fitted by least squares
 (cost_model.fit_alpha_beta) against the bytes each rank SENDS (comm.py's formulas, which the cost
 model prices): AlltoAll and ReduceScatter B(W-1)/W, AllGather (W-1)*piece, AllReduce
-2B(W-1)/W. A fit whose alpha or beta comes out <= 0 (noise, e.g. on a loaded machine) is redone with that
-term pinned (alpha at the fastest median time seen, then beta refitted by least squares; or beta
-at 1e-15 s/byte and alpha the median time) and is flagged "clamped", in the table and the JSON.
+2B(W-1)/W. A fit whose alpha or beta comes out <= 0 (noise on a loaded machine; or a shaped link,
+whose token bucket lets the first bytes of a call through at once) is redone as least squares
+under alpha, beta >= 0, which puts the negative term at its floor (alpha 1 ns, beta refitted
+through the origin; or beta 1e-15 s/byte, alpha the mean time), and is flagged "clamped", in
+the table and the JSON.
 The JSON's extra "fit" key holds, per kind and link, alpha_us, GBps, r2, the group size, whether
 it was measured or copied, and the (sent bytes, seconds) points; from_json ignores it.
 
@@ -303,14 +305,14 @@ def fit(points):
     y = np.array([p[1] for p in points], dtype=float)
     alpha, beta, r2 = fit_alpha_beta(x, y)
     clamped = False
-    if alpha <= 0 or beta <= 0:
+    if alpha <= 0 or beta <= 0:  # least squares under alpha, beta >= 0: on the boundary
         clamped = True
-        if beta > 0:  # alpha pinned at the fastest call seen (a latency bound), beta refit
-            alpha = max(float(y.min()), ALPHA_FLOOR)
+        if beta > 0:  # alpha at its floor, beta through the origin (a shaper's burst, or noise)
+            alpha = ALPHA_FLOOR
             beta = max(float(np.dot(x, y - alpha) / np.dot(x, x)), BETA_FLOOR)
-        else:         # no size dependence seen: beta at its floor, alpha the median time
+        else:         # no size dependence seen: beta at its floor, alpha the mean time
             beta = BETA_FLOOR
-            alpha = max(float(np.median(y)), ALPHA_FLOOR)
+            alpha = max(float(np.mean(y - beta * x)), ALPHA_FLOOR)
         spread = float(np.sum((y - y.mean()) ** 2))
         r2 = 1.0 - float(np.sum((y - alpha - beta * x) ** 2)) / spread if spread else 1.0
     return float(alpha), float(beta), float(r2), clamped

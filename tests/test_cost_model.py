@@ -265,6 +265,8 @@ def test_profile_json_round_trip(tmp_path):
     path = tmp_path / "profile.json"
     DEFAULT_PROFILE.to_json(str(path))
     assert Profile.from_json(str(path)) == DEFAULT_PROFILE
+    gloo = replace(DEFAULT_PROFILE, lanes=2)
+    assert Profile.from_json(gloo.to_json()) == gloo
     # the shipped A100 cluster file holds DEFAULT_PROFILE's numbers in readable units
     a100 = Profile.from_json(str(ROOT / "tools/clusters/a100-nvlink-8x.json"))
     assert a100.gpus_per_node == DEFAULT_PROFILE.gpus_per_node
@@ -296,6 +298,8 @@ def _broken(edit):
     (lambda d: d["compute"].update(alpha=float("nan")), "compute: values must be finite"),
     (lambda d: d["compute"].update(gbps=3), "compute: expected"),
     (lambda d: d.update(world_size=-4), "world_size must be a positive integer"),
+    (lambda d: d.update(lanes=0), "lanes must be a positive integer"),
+    (lambda d: d.update(lanes=True), "lanes must be a positive integer"),
     (lambda d: d.update(layer={"comm_factor": 2.0, "per_step": 1e-4}), "layer must have some of"),
     (lambda d: d.update(layer={"s_per_call": -1e-4}), "s_per_call >= 0"),
 ])
@@ -365,6 +369,12 @@ def test_pipeline_formula():
     assert pipeline_s((0.1, 0.25), 0.25, (0.1, 0.25), none, 4) == pytest.approx(2.1)
     # compute-bound: main 4 s in total; the first outbound and the last return stick out
     assert pipeline_s((0.0, 0.25), 1.0, (0.0, 0.25), none, 4) == pytest.approx(0.25 + 4.0 + 0.25)
+    # two lanes (gloo): the two outbound pieces share the link and land together at 1 s, so
+    # nothing overlaps the first piece's work (one lane: 0.5 s sooner); r = 1 is unchanged
+    assert pipeline_s((0.0, 0.5), 0.5, (0.0, 0.5), none, 2, lanes=1) == pytest.approx(2.0)
+    assert pipeline_s((0.0, 0.5), 0.5, (0.0, 0.5), none, 2, lanes=2) == pytest.approx(2.5)
+    assert pipeline_s((0.1, 1.0), 1.0, (0.1, 1.0), (0.05, 0.5), 1, lanes=2) == \
+        pytest.approx(3.75)
 
 
 @pytest.mark.parametrize("name,group", [("s1", "ep,esp"), ("s2", "ep,esp,mp")])

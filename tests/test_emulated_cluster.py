@@ -6,8 +6,10 @@ creates outlives it, also when the command fails. Needs root and `ip netns`; ski
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -98,3 +100,23 @@ def test_bad_requests_are_refused(tmp_path):
     run, left = emulated([], tmp_path, timeout=60)
     assert run.returncode == 2 and "give the command after --" in run.stderr
     assert left == []
+
+
+def test_signals_during_teardown_do_not_cut_it_short(tmp_path):
+    """Stopped with SIGTERM and, at once, SIGTERM and Ctrl-C again (as `pkill` matching the
+    tool twice does): the first signal starts the teardown, the others must not interrupt it."""
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\ntime.sleep(120)\n")
+    before = set(_leftovers())
+    tool = subprocess.Popen([sys.executable, str(TOOL), "--nodes", "2", "--procs-per-node", "1",
+                             "--log-dir", str(tmp_path / "logs"), "--master-port",
+                             str(free_port()), "--", str(script)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert tool.stdout.readline().startswith("emulated_cluster: 2 nodes x 1 ranks")
+    for signum in (signal.SIGTERM, signal.SIGTERM, signal.SIGINT):  # the last two mid-teardown
+        tool.send_signal(signum)
+        time.sleep(0.2)
+    _, err = tool.communicate(timeout=60)
+    assert tool.returncode == 130, err
+    assert "interrupted; removed the emulated cluster" in err
+    assert sorted(set(_leftovers()) - before) == []

@@ -38,6 +38,10 @@ def test_grid_has_held_out_configurations_on_many_layouts():
     assert len(configs) >= 32 and len(configs) - len(configs) // 4 >= 24
     assert len({layout for layout, _ in configs}) == len(tool.LAYOUTS)
     assert all(layout[0] >= 2 for layout, _ in configs)  # MP 1 leaves nothing to choose
+    # on nodes of 2 ranks (--nodes): only layouts whose MP groups stay inside a node, each met
+    node = tool.grid(tool.node_layouts(2))
+    assert len(node) == len(configs) and {layout[0] for layout, _ in node} == {2}
+    assert len({layout for layout, _ in node}) == len(tool.node_layouts(2)) >= 4
 
 
 def _synthetic_runs(terms):

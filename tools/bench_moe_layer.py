@@ -40,10 +40,11 @@ Without DDP nothing averages over replicas, so sums are compared with sums.
 With a capacity factor the reference counts capacity per gate call as the schedule does
 (s1: one call per MP rank; megatron under --sequence-parallel: one per sequence shard).
 
-Timing: the median of --iters iterations after --warmup, per rank with no barrier
-(torch.cuda.synchronize on GPU), the schedules' iterations interleaved (one of each in turn, so
-a drift of the machine's speed touches all alike), reported for rank 0 and as the max over ranks; the ratio to
-the baseline uses the max. Bytes: sent per rank by collective kind (received is the same) for
+Timing: the median of --iters iterations after --warmup, per rank, each iteration started by a
+barrier on all ranks (untimed; torch.cuda.synchronize on GPU), the schedules' iterations
+interleaved (one of each in turn, so a drift of the machine's speed touches all alike; each turn
+starting one schedule later, so none always follows the same one), reported for rank 0 and as
+the max over ranks; the ratio to the baseline uses the max. Bytes: sent per rank by collective kind (received is the same) for
 one iteration, forward and backward, from the ledger (null for megatron, whose collectives the
 ledger does not see).
 
@@ -447,6 +448,9 @@ def _timed_step(layer, forward, x_local, g_local):
             p.grad = None
         x = x_local.detach().clone().requires_grad_()
         _sync()
+        # every rank starts together: a rank's lead or lag from the step before (another
+        # schedule's, when they interleave) is not charged to this one
+        torch.distributed.barrier()
         t0 = time.perf_counter()
         out = forward(x)
         _sync()
@@ -586,11 +590,16 @@ def run_peer(name, args, replica, weights, device, dump_dir):
 def time_schedules(timed: dict, args) -> None:
     """Fill each result's forward_ms / backward_ms: the schedules' iterations interleave (one
     iteration of each in turn), so a change of the machine's speed during the run touches
-    every schedule alike instead of whichever ran at that moment."""
+    every schedule alike instead of whichever ran at that moment; and the turn starts one
+    schedule later each iteration, so no schedule always runs in the wake of the same one
+    (on the emulated cluster a layer's time depended by up to 20 % on which ran before it)."""
     fwd = {name: [] for name in timed}
     bwd = {name: [] for name in timed}
+    names = list(timed)
     for i in range(args.warmup + args.iters):
-        for name, (_, step) in timed.items():
+        turn = i % len(names)
+        for name in names[turn:] + names[:turn]:
+            step = timed[name][1]
             _clear_tracker()
             *_, f, b = step()
             if i >= args.warmup:

@@ -1,4 +1,4 @@
-"""python tools/bench_sweep.py --out-dir runs/bench_sweep [--worlds 2,4,8] [--iters 5]
+"""python tools/bench_sweep.py --out-dir runs/bench_sweep [--worlds 2,4,8] [--iters 5] [--nodes 2]
 
 A grid of MoE layer configurations (tokens, hidden, experts, top-k, capacity factor, MP/EP/ESP
 on 2, 4 and 8 ranks) through tools/bench_moe_layer.py, one launch per world size, every row
@@ -13,6 +13,14 @@ deepspeed-ted where it ran), OUT/time.png (the same, per configuration) and OUT/
 (bytes sent per rank by collective kind, Parm's rows), and prints, over the configurations
 where they ran, min / median / max of the best Parm schedule's time over deepspeed-ted's and
 over the best megatron dispatcher's, and which row wins where.
+
+With --nodes N (as root: tools/emulated_cluster.py) each world's launch runs on N emulated
+nodes of world / N ranks each, --inter-node-bandwidth (200mbit) between them; every world of
+--worlds must be a multiple of N (one rank per node at the least), else the sweep is refused
+before anything starts. bench_moe_layer then gets --inter-node-rate, so the rows whose
+collectives it sees (baseline and Parm's) carry their link floor: the bytes leaving the
+busiest node over the link rate. sweep.md adds per configuration the best Parm row's floor and
+its time over it, and the summary min / median / max of that ratio; on one node these show -.
 """
 
 from __future__ import annotations
@@ -66,26 +74,34 @@ def total_ms(row):
 
 
 def summarise(runs: list) -> dict:
-    """Per configuration: the best Parm row, its time over deepspeed-ted's and over the best
-    megatron dispatcher's, and the fastest row; then min / median / max of both ratios."""
-    rows, to_ted, to_megatron = [], [], []
+    """Per configuration: the best Parm row, its time over deepspeed-ted's, over the best
+    megatron dispatcher's and over its link floor, and the fastest row; then min / median /
+    max of the three ratios. The floor is the best Parm row's own link_floor_ms (its bytes
+    leaving the busiest node over the link rate; None on one node), not the smallest of the
+    Parm rows': each schedule sends its own bytes, so a floor bounds only its own row's time,
+    and the ratio is that row's "x floor" in bench_moe_layer's table."""
+    rows, to_ted, to_megatron, to_floor = [], [], [], []
     for run in runs:
         times = {name: total_ms(run["schedules"].get(name)) for name in ROWS}
         ok = {name: t for name, t in times.items() if t is not None}
         parm = {n: ok[n] for n in PARM if n in ok}
         best_parm = min(parm, key=parm.get) if parm else None
         megatron = [ok[n] for n in MEGATRON if n in ok]
+        floor = run["schedules"][best_parm].get("link_floor_ms") if best_parm else None
         row = {"name": run["name"], "times": times, "best_parm": best_parm,
                "fastest": min(ok, key=ok.get) if ok else None,
                "parm_over_ted": parm[best_parm] / ok["deepspeed-ted"]
                if best_parm and "deepspeed-ted" in ok else None,
                "parm_over_megatron": parm[best_parm] / min(megatron)
-               if best_parm and megatron else None}
+               if best_parm and megatron else None,
+               "floor_ms": floor, "parm_over_floor": parm[best_parm] / floor if floor else None}
         rows.append(row)
         if row["parm_over_ted"] is not None:
             to_ted.append(row["parm_over_ted"])
         if row["parm_over_megatron"] is not None:
             to_megatron.append(row["parm_over_megatron"])
+        if row["parm_over_floor"] is not None:
+            to_floor.append(row["parm_over_floor"])
 
     def spread(values):
         return None if not values else {"min": min(values), "median": statistics.median(values),
@@ -96,24 +112,29 @@ def summarise(runs: list) -> dict:
         if row["fastest"]:
             wins[row["fastest"]] = wins.get(row["fastest"], 0) + 1
     return {"configs": rows, "parm_over_ted": spread(to_ted),
-            "parm_over_megatron": spread(to_megatron), "fastest_counts": wins}
+            "parm_over_megatron": spread(to_megatron), "parm_over_floor": spread(to_floor),
+            "fastest_counts": wins}
 
 
 def markdown(summary: dict) -> str:
-    head = "| configuration | " + " | ".join(ROWS) + " | best Parm / ted | best Parm / megatron |"
-    lines = [head, "|" + "---|" * (len(ROWS) + 3)]
+    head = ("| configuration | " + " | ".join(ROWS) +
+            " | best Parm / ted | best Parm / megatron | floor ms | best Parm / floor |")
+    lines = [head, "|" + "---|" * (len(ROWS) + 5)]
     for row in summary["configs"]:
         ted = row["times"].get("deepspeed-ted")
         cells = []
         for name in ROWS:
             t = row["times"][name]
             cells.append("-" if t is None else f"{t:.1f}" + (f" ({t / ted:.2f})" if ted else ""))
-        fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        fmt = lambda v, spec=".2f": "-" if v is None else format(v, spec)  # noqa: E731
         lines.append(f"| {row['name']} | " + " | ".join(cells) +
-                     f" | {fmt(row['parm_over_ted'])} | {fmt(row['parm_over_megatron'])} |")
+                     f" | {fmt(row['parm_over_ted'])} | {fmt(row['parm_over_megatron'])} |"
+                     f" {fmt(row['floor_ms'], '.1f')} | {fmt(row['parm_over_floor'])} |")
     lines.append("")
     lines.append("forward + backward ms (max over ranks), in brackets over deepspeed-ted's; "
-                 "- : the row cannot run the layout (sweep.json says why) or is not installed")
+                 "- : the row cannot run the layout (sweep.json says why) or is not installed; "
+                 "floor ms: the best Parm row's bytes leaving the busiest node over "
+                 "--inter-node-bandwidth (- on one node)")
     return "\n".join(lines)
 
 
@@ -166,6 +187,20 @@ def plots(runs: list, summary: dict, out_dir: str) -> list:
     return paths
 
 
+def bench_command(args, world: int, config_path: str, json_path: str) -> list:
+    """bench_moe_layer on `world` ranks: on this machine, or with --nodes > 1 on that many
+    emulated nodes (tools/emulated_cluster.py, world / nodes ranks each, logs in
+    OUT/nodes_w<world>)."""
+    script = os.path.join(TOOLS, "bench_moe_layer.py")
+    tool_args = ["--configs", config_path, "--json", json_path]
+    if args.nodes == 1:
+        return [sys.executable, script, "--nproc", str(world), *tool_args]
+    from emulated_cluster import command_line
+
+    return command_line(args.nodes, world // args.nodes, args.inter_node_bandwidth,
+                        os.path.join(args.out_dir, f"nodes_w{world}"), [script, *tool_args])
+
+
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -175,25 +210,36 @@ def parse(argv):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--bench-json", default=None,
                    help="re-summarise earlier OUT/bench_w*.json (comma-separated) instead")
-    return p.parse_args(argv)
+    p.add_argument("--nodes", type=int, default=1,
+                   help="run each world on this many emulated nodes of world / nodes ranks "
+                        "(needs root; tools/emulated_cluster.py)")
+    p.add_argument("--inter-node-bandwidth", default="200mbit",
+                   help="with --nodes > 1: the emulated link rate between nodes")
+    args = p.parse_args(argv)
+    args.world_list = [int(w) for w in args.worlds.split(",")]
+    if args.nodes < 1 or any(w % args.nodes for w in args.world_list):
+        p.error(f"--nodes {args.nodes}: every world of --worlds {args.worlds} must be a positive "
+                "multiple of it (world / nodes ranks on each node, one at the least)")
+    return args
 
 
 def main(argv=None) -> int:
     args = parse(argv)
     os.makedirs(args.out_dir, exist_ok=True)
-    worlds = [int(w) for w in args.worlds.split(",")]
     paths = args.bench_json.split(",") if args.bench_json else []
     if not paths:
         timing = ["--iters", str(args.iters), "--warmup", str(args.warmup), "--schedules",
                   ",".join(ROWS), "--moe-parm-chunks", "0"]
-        for world in worlds:
+        if args.nodes > 1:  # per entry: bench_moe_layer parses every entry's argv alone
+            timing += ["--inter-node-rate", args.inter_node_bandwidth]
+        for world in args.world_list:
             entries = [{"name": n, "argv": argv + timing} for n, w, argv in grid() if w == world]
-            config_path = os.path.join(args.out_dir, f"configs_w{world}.json")
+            # absolute: on emulated nodes the ranks run in the repository root (launch.sh)
+            config_path = os.path.abspath(os.path.join(args.out_dir, f"configs_w{world}.json"))
             with open(config_path, "w") as f:
                 json.dump(entries, f, indent=1)
-            paths.append(os.path.join(args.out_dir, f"bench_w{world}.json"))
-            command = [sys.executable, os.path.join(TOOLS, "bench_moe_layer.py"), "--nproc",
-                       str(world), "--configs", config_path, "--json", paths[-1]]
+            paths.append(os.path.abspath(os.path.join(args.out_dir, f"bench_w{world}.json")))
+            command = bench_command(args, world, config_path, paths[-1])
             print(f"$ {' '.join(command)}", flush=True)
             status = subprocess.call(command, stdout=subprocess.DEVNULL)
             if status:
@@ -210,8 +256,11 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out_dir, "sweep.md"), "w") as f:
         f.write(markdown(summary) + "\n")
     pngs = plots(runs, summary, args.out_dir)
-    for key, label in (("parm_over_ted", "deepspeed-ted"), ("parm_over_megatron",
-                                                            "the best megatron dispatcher")):
+    ratios = [("parm_over_ted", "deepspeed-ted"),
+              ("parm_over_megatron", "the best megatron dispatcher")]
+    if summary["parm_over_floor"]:
+        ratios.append(("parm_over_floor", "link floor"))
+    for key, label in ratios:
         s = summary[key]
         print(f"best Parm schedule / {label}: " + ("no configuration" if s is None else
               f"min {s['min']:.2f}, median {s['median']:.2f}, max {s['max']:.2f} over "

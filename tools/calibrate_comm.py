@@ -388,7 +388,10 @@ def report(args, backend, world, per_node, hosts, measured, local, shares) -> in
                                  "group_size": measured[src][0],
                                  "points": [[b, s] for b, s in measured[src][1][kind]]}
     local_fits = {name: fit(points) for name, points in local.items()}
+    # gloo gives each process group two worker threads (ProcessGroupGloo's default), so two
+    # started collectives of one group run at once; NCCL runs them in order on its stream
     profile = Profile(gpus_per_node=per_node, collectives=collectives,
+                      lanes=2 if backend == "gloo" else 1,
                       compute=local_fits["compute"][:2], memory=local_fits["memory"][:2],
                       name=args.name, description="; ".join(notes), world_size=world)
     data = json.loads(profile.to_json())

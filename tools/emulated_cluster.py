@@ -308,9 +308,13 @@ def main(argv=None) -> int:
         return 2
 
     def interrupted(signum, frame):
+        # once: a second signal must not cut the teardown short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGINT, interrupted)
     try:
         with Cluster(args.nodes, args.inter_node_bandwidth, args.inter_node_latency) as cluster:
             print(f"emulated_cluster: {args.nodes} nodes x {args.procs_per_node} ranks, "

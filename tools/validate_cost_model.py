@@ -32,7 +32,8 @@ share where auto chose it. OUT/validation.png plots predicted against measured.
 
 --nodes N spreads the ranks over N emulated nodes (tools/emulated_cluster.py, as root) with
 --inter-node-bandwidth between them: calibration then fits intra- and inter-node collectives
-separately, and the layouts' EP (and DP) groups cross the shaped link.
+separately, the grid keeps the layouts whose MP groups fit in a node (node_layouts), and their
+EP (and DP) groups cross the shaped link.
 """
 
 from __future__ import annotations
@@ -69,14 +70,20 @@ SHAPES = [(64, 2, 64, 128, 4, 2, None), (128, 4, 256, 512, 4, 2, None),
           (512, 2, 128, 256, 8, 2, 1.0), (64, 4, 256, 1024, 4, 2, 2.0)]
 
 
-def grid() -> list:
+def grid(layouts=LAYOUTS) -> list:
     """32 configurations: every shape on four layouts, the layouts rotating through the
     shapes so that each layout meets several shapes."""
     out = []
     for i, shape in enumerate(SHAPES):
         for j in range(4):
-            out.append((LAYOUTS[(i + 2 * j) % len(LAYOUTS)], shape))
+            out.append((layouts[(i + 2 * j) % len(layouts)], shape))
     return out
+
+
+def node_layouts(ranks_per_node: int) -> list:
+    """The layouts whose MP (and so ESP) groups stay inside a node, as megatron places them:
+    on emulated nodes an MP group across the slow link is no layout anyone would run."""
+    return [layout for layout in LAYOUTS if layout[0] <= ranks_per_node]
 
 
 def config_argv(layout, shape) -> list:
@@ -380,7 +387,8 @@ def main(argv=None) -> int:
                    "--output", profile_path), "calibration")
     profile = Profile.from_json(profile_path)
 
-    configs = grid()[:args.limit]
+    layouts = node_layouts(args.nproc // args.nodes) if args.nodes > 1 else LAYOUTS
+    configs = grid(layouts)[:args.limit]
     names = [f"c{i:02d}" for i in range(len(configs))]
     fit_names = {n for i, n in enumerate(names) if i % 4 == 0}
     if args.bench_json:
@@ -388,7 +396,7 @@ def main(argv=None) -> int:
     else:
         timing = ["--iters", str(args.iters), "--warmup", str(args.warmup)]
         # grouped by layout: each change of layout rebuilds the process groups
-        ordered = sorted(zip(names, configs), key=lambda nc: LAYOUTS.index(nc[1][0]))
+        ordered = sorted(zip(names, configs), key=lambda nc: layouts.index(nc[1][0]))
         rounds = []
         for r in range(args.rounds):
             # every other round in the opposite order, so a drift of the machine's speed

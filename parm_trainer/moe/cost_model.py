@@ -155,6 +155,10 @@ class Profile:
     # machine), a host cost per plan step (seconds, forward; backward twice) and a cost per
     # collective call (seconds; ranks waiting for each other at each blocking call).
     layer: tuple = (1.0, 1.0, 0.0, 0.0)
+    # Collectives one process group runs at once: NCCL 1 (its stream runs them in order),
+    # gloo 2 (two worker threads per group), so two started AlltoAlls share the link and land
+    # together. The pipeline's arrivals (pipeline_s) depend on it.
+    lanes: int = 1
 
     def link(self, shape: LayerShape, group: str) -> str:
         size, stride = shape.group(group)
@@ -177,6 +181,8 @@ class Profile:
             data["layer"] = dict(zip(LAYER_KEYS, self.layer))
         if self.world_size is not None:
             data["world_size"] = self.world_size
+        if self.lanes != 1:
+            data["lanes"] = self.lanes
         text = json.dumps(data, indent=2)
         if path:
             with open(path, "w") as f:
@@ -189,8 +195,8 @@ class Profile:
         "beta": s/byte} or, for hand-written cluster files, {"alpha_us": us, "GBps": GB/s}
         (compute: {"alpha_us", "TFLOPs"}; memory: {"alpha_us", "GBps"}). Top-level keys:
         gpus_per_node, collectives, compute (required); memory, layer (some of
-        "comm_factor", "compute_factor", "host_s_per_step", "s_per_call"), name, description, world_size, notes, fit
-        (optional). Anything else, a
+        "comm_factor", "compute_factor", "host_s_per_step", "s_per_call"), lanes, name,
+        description, world_size, notes, fit (optional). Anything else, a
         missing entry, or a negative, zero-rate or non-finite number raises ProfileError."""
         where = "cost profile"
         if not source.lstrip().startswith("{"):
@@ -207,7 +213,7 @@ class Profile:
         return _profile_from_dict(data, where)
 
 
-_TOP_KEYS = {"gpus_per_node", "collectives", "compute", "memory", "layer", "name",
+_TOP_KEYS = {"gpus_per_node", "collectives", "compute", "memory", "layer", "lanes", "name",
              "description", "world_size", "notes", "fit"}
 
 
@@ -224,6 +230,9 @@ def _profile_from_dict(data, where: str) -> Profile:
     gpus = data["gpus_per_node"]
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise bad(f"gpus_per_node must be a positive integer, got {gpus!r}")
+    lanes = data.get("lanes", 1)
+    if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1:
+        raise bad(f"lanes must be a positive integer, got {lanes!r}")
     world = data.get("world_size")
     if world is not None and (not isinstance(world, int) or isinstance(world, bool) or world < 1):
         raise bad(f"world_size must be a positive integer, got {world!r}")
@@ -248,7 +257,7 @@ def _profile_from_dict(data, where: str) -> Profile:
     if not all(math.isfinite(v) for v in layer) or min(layer[:2]) <= 0 or min(layer[2:]) < 0:
         raise bad(f"layer factors must be > 0 and host_s_per_step, s_per_call >= 0, got "
                   f"{data['layer']!r}")
-    return Profile(gpus_per_node=gpus, collectives=collectives, layer=layer,
+    return Profile(gpus_per_node=gpus, collectives=collectives, layer=layer, lanes=lanes,
                    compute=_pair(data["compute"], "TFLOPs", 1e12, f"{where}: compute"),
                    memory=(_pair(data["memory"], "GBps", 1e9, f"{where}: memory")
                            if "memory" in data else None),
@@ -424,20 +433,23 @@ def step_load(step: Step, shape: LayerShape, held: Held) -> tuple:
     raise ValueError(f"unknown plan step {step}")
 
 
-def pipeline_s(out: tuple, main: float, back: tuple, tail: tuple, chunks: int) -> float:
+def pipeline_s(out: tuple, main: float, back: tuple, tail: tuple, chunks: int,
+               lanes: int = 1) -> float:
     """Seconds of one phase of the "pipeline" step over r = chunks pieces. out, back, tail:
     (alpha, transfer seconds of ONE chunk) of its AlltoAll, its AlltoAll back and s2's MP
     gather ((0, 0) for s1); main: seconds the main thread spends on one chunk (gather, expert,
     scatter). As the executor runs it: every outbound AlltoAll is issued at once, so they
-    stream back to back on the EP group and only the first pays its latency; the main thread
-    takes chunk i once it has arrived and issues its AlltoAll back, which follows the outbound
-    ones and earlier returns on the same group (paying its latency only if the group was
-    idle); each return is then gathered over MP. r = 1 is the sum of all of it; as r grows
-    the time tends to the longer of the link's transfers and the main thread's work."""
+    stream back to back on the EP group and only the first pays its latency, `lanes` at a
+    time sharing the link (Profile.lanes: gloo runs two, which land together); the main
+    thread takes chunk i once it has arrived and issues its AlltoAll back, which follows the
+    outbound ones and earlier returns on the same group (paying its latency only if the
+    group was idle); each return is then gathered over MP. r = 1 is the sum of all of it; as
+    r grows the time tends to the longer of the link's transfers and the main thread's work."""
     link, main_free, tail_free, arrived = 0.0, 0.0, 0.0, []
-    for _ in range(chunks):
-        link = max(out[0] + out[1], link + out[1])
-        arrived.append(link)
+    for first in range(0, chunks, lanes):
+        batch = min(lanes, chunks - first)
+        link = max(out[0] + batch * out[1], link + batch * out[1])
+        arrived += [link] * batch
     for i in range(chunks):
         main_free = max(main_free, arrived[i]) + main
         link = max(main_free + back[0] + back[1], link + back[1])
@@ -489,7 +501,7 @@ def _pipeline_cost(load: StepLoad, shape: LayerShape, profile: Profile) -> tuple
     for colls, weight in ((load.forward, 1), (load.backward, 2)):
         out, ag, rs, back, tail = (chunk(c) for c in colls)
         main = sum(ag) + sum(rs) + weight * work
-        phases.append(pipeline_s(out, main, back, tail, r) + weight * host)
+        phases.append(pipeline_s(out, main, back, tail, r, profile.lanes) + weight * host)
     return tuple(phases)
 
 

@@ -197,7 +197,34 @@ def check_pair(a2a_part, ag_part, mid_shape, chunk_dim, dim):
         expect(got[3] == base[3], f"rs+a2a backward bytes chunks={chunks} {tag}: {got[3]}")
 
 
+def check_start_finish(part):
+    """comm.start/finish equal the blocking op in both directions, for every kind; and once
+    the backward is done nothing of the pair stays alive (its handle, which holds its output,
+    would hold the autograd graph through C++, out of the garbage collector's sight)."""
+    import gc, weakref
+    group = GROUPS[part]
+    for kind, op in (("alltoall", "all_to_all"), ("allgather", "all_gather"),
+                     ("reducescatter", "reduce_scatter"), ("gather", "gather")):
+        dims = () if kind == "alltoall" else (1,)
+        xs, outs, ups, grads = reference(lambda t: REF[op](t, part, *dims), (8, 12, 3),
+                                         False, kind == "gather", part)
+        pendings = []
+
+        def pair(x):
+            started = comm.start(kind, x, group, part, *dims)
+            pendings.append(weakref.ref(started[1]) if started[1] is not None else None)
+            return comm.finish(started)
+        out, grad, _, _ = run_dist(pair, xs[RANK], ups[RANK])
+        expect(torch.equal(out, outs[RANK].detach()), f"start/finish {kind} {part}: forward")
+        expect(torch.equal(grad, grads[RANK]), f"start/finish {kind} {part}: backward")
+        gc.collect()
+        expect(all(ref is None or ref() is None for ref in pendings),
+               f"start/finish {kind} {part}: the pending pair outlives its backward")
+
+
 try:
+    for part in ("pairs", "cross", "all4", "single"):
+        check_start_finish(part)
     for part in PARTS:
         for op, (_, _, takes_dim, _, _) in OPS.items():
             for dim in ((0, 1, -1) if takes_dim else (None,)):
@@ -235,9 +262,10 @@ def test_collectives_on_four_gloo_ranks(tmp_path):
     failures = {r["rank"]: [f[-700:] for f in r["failures"][:5]] for r in reports if r["failures"]}
     assert not failures, json.dumps(failures, indent=1)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    # 5 op partitions x 13 op cases x 4 checks; 7 pair groupings x 5 layouts x 2 pairs x
+    # start/finish: 4 partitions x 4 kinds x 3 checks; 5 op partitions x 13 op cases x 4
+    # checks; 7 pair groupings x 5 layouts x 2 pairs x
     # (1 composition + 4 chunkings x 4) checks
-    assert [r["checks"] for r in reports] == [5 * 13 * 4 + 7 * 5 * 2 * 17] * 4
+    assert [r["checks"] for r in reports] == [4 * 4 * 3 + 5 * 13 * 4 + 7 * 5 * 2 * 17] * 4
 
 
 def test_ledger_sums_and_filters_by_phase():

@@ -469,13 +469,17 @@ class _Start(torch.autograd.Function):
     def backward(ctx, _placeholder):
         pending = ctx.pending
         pending.grad_work.wait()
-        return pending.finish_grad(pending.grad_raw), None
+        raw, pending.grad_work, pending.grad_raw = pending.grad_raw, None, None
+        return pending.finish_grad(raw), None
 
 
 class _Finish(torch.autograd.Function):
     @staticmethod
     def forward(ctx, raw, pending):
         pending.work.wait()
+        # a finished handle is let go: it holds its output, whose grad_fn holds this pending
+        # (a cycle through C++ that the garbage collector cannot see, leaking every chunk)
+        pending.work = None
         ctx.pending, ctx.raw_shape = pending, raw.shape
         out = pending.finish(raw)
         return out.view_as(out) if out is raw else out  # a new tensor object, no copy

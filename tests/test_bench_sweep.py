@@ -19,7 +19,7 @@ def _row(ms, floor=None):
     if ms is None:
         return {"status": "skipped", "reason": "cannot run"}
     return {"status": "ok", "forward_ms": {"max": ms / 2}, "backward_ms": {"max": ms / 2},
-            "link_floor_ms": floor}
+            "total_ms": {"max": ms}, "link_floor_ms": floor}
 
 
 def test_grid():

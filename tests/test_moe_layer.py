@@ -150,6 +150,7 @@ def test_two_ranks_every_layout_and_dump(tmp_path):
     single = runs["mp1-ep1-esp1"]["schedules"]["megatron"]
     assert single["status"] == "ok" and single["aux_loss"] > 0
     assert single["forward_ms"]["max"] > 0 and single["backward_ms"]["max"] > 0
+    assert single["total_ms"]["max"] > 0
     # Skips appear in the printed table with their reason too.
     assert "skipped: --moe-parm-schedule baseline" in stdout
     assert "skipped: MoE with --tensor-model-parallel-size > 1" in stdout

@@ -64,7 +64,8 @@ def _synthetic_runs(terms):
                 schedules[name] = {"status": "skipped", "reason": str(error)}
                 continue
             schedules[name] = {"status": "ok", "forward_ms": {"max": seconds * 1e3 / 3},
-                               "backward_ms": {"max": seconds * 1e3 * 2 / 3}}
+                               "backward_ms": {"max": seconds * 1e3 * 2 / 3},
+                               "total_ms": {"max": seconds * 1e3}}
         runs.append({"name": f"c{i:02d}", "config": config, "schedules": schedules})
     return runs
 
@@ -91,8 +92,8 @@ def test_rounds_are_averaged(tmp_path):
         for run in scaled:
             for r in run["schedules"].values():
                 if r["status"] == "ok":
-                    r["forward_ms"]["max"] *= factor
-                    r["backward_ms"]["max"] *= factor
+                    for key in ("forward_ms", "backward_ms", "total_ms"):
+                        r[key]["max"] *= factor
         paths.append(tmp_path / f"bench_{factor}.json")
         paths[-1].write_text(json.dumps({"runs": scaled[::-1] if factor > 1 else scaled}))
     merged = tool.merge_rounds([str(p) for p in paths])

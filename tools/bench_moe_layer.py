@@ -43,10 +43,12 @@ With a capacity factor the reference counts capacity per gate call as the schedu
 Timing: the median of --iters iterations after --warmup, per rank, each iteration started by a
 barrier on all ranks (untimed; torch.cuda.synchronize on GPU), the schedules' iterations
 interleaved (one of each in turn, so a drift of the machine's speed touches all alike; each turn
-starting one schedule later, so none always follows the same one), reported for rank 0 and as
-the max over ranks; the ratio to the baseline uses the max. Bytes: sent per rank by collective kind (received is the same) for
-one iteration, forward and backward, from the ledger (null for megatron, whose collectives the
-ledger does not see).
+starting one schedule later, so none always follows the same one): forward, backward and their
+sum per iteration, reported for rank 0 and as the max over ranks. A row's time (fwd+bwd, the
+ratio, x floor) is the max over ranks of the median sum: a rank slow in the forward waits less
+in the backward, so the sum of the two phases' maxima would count one wait twice. Bytes: sent
+per rank by collective kind (received is the same) for one iteration, forward and backward,
+from the ledger (null for megatron, whose collectives the ledger does not see).
 
 --json OUT: the config and, per schedule, status (ok or skipped, with the reason), times, bytes
 and differences. --dump DIR (DP replica 0): input.pt and output_grad.pt ([S*B, M], sequence-
@@ -544,6 +546,7 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
         "auto_choice": args.auto_choice,
         "forward_ms": None,
         "backward_ms": None,
+        "total_ms": None,
         "bytes": None if args.moe_parm_schedule == "megatron" else _bytes_report(ledger),
         # the busiest node's outgoing bytes (forward + backward) and their time on its link
         "cross_node_bytes": None if None in cross else _busiest_node(cross),
@@ -582,35 +585,37 @@ def run_peer(name, args, replica, weights, device, dump_dir):
         " the reference by 1)" if args.moe_router_topk == 1 else ""
     result = {"status": "ok", "plan": f"deepspeed.moe.layer.MoE ({args.peer}){note}",
               "chunks": None, "auto_choice": None, "forward_ms": None, "backward_ms": None,
+              "total_ms": None,
               "bytes": None, "cross_node_bytes": None, "max_abs_diff": diffs,
               "reference_max_abs": scale, "aux_loss": None}
     return result, step
 
 
 def time_schedules(timed: dict, args) -> None:
-    """Fill each result's forward_ms / backward_ms: the schedules' iterations interleave (one
-    iteration of each in turn), so a change of the machine's speed during the run touches
-    every schedule alike instead of whichever ran at that moment; and the turn starts one
-    schedule later each iteration, so no schedule always runs in the wake of the same one
-    (on the emulated cluster a layer's time depended by up to 20 % on which ran before it)."""
-    fwd = {name: [] for name in timed}
-    bwd = {name: [] for name in timed}
+    """Fill each result's forward_ms, backward_ms and total_ms (forward + backward of one
+    iteration; its max over ranks is the row's time: ranks wait for each other in different
+    phases, so the sum of the phases' maxima would count one wait twice). The schedules'
+    iterations interleave (one iteration of each in turn), so a change of the machine's speed
+    during the run touches every schedule alike instead of whichever ran at that moment, and
+    the turn starts one schedule later each iteration, so no schedule always runs in the wake
+    of the same one."""
+    times = {name: [] for name in timed}  # (forward, backward) per iteration
     names = list(timed)
     for i in range(args.warmup + args.iters):
         turn = i % len(names)
         for name in names[turn:] + names[:turn]:
-            step = timed[name][1]
             _clear_tracker()
-            *_, f, b = step()
+            *_, f, b = timed[name][1]()
             if i >= args.warmup:
-                fwd[name].append(f)
-                bwd[name].append(b)
+                times[name].append((f, b))
     _clear_tracker()
     for name, (result, _) in timed.items():
-        times = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(times, (_median(fwd[name]), _median(bwd[name])))
-        for index, key in enumerate(("forward_ms", "backward_ms")):
-            per_rank = [t[index] for t in times]
+        mine = [_median([t[k] for t in times[name]]) for k in range(2)]
+        mine.append(_median([f + b for f, b in times[name]]))
+        gathered = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, mine)
+        for index, key in enumerate(("forward_ms", "backward_ms", "total_ms")):
+            per_rank = [t[index] for t in gathered]
             result[key] = None if per_rank[0] is None else {
                 "rank0": per_rank[0], "max": max(per_rank), "per_rank": per_rank}
 
@@ -723,9 +728,9 @@ def run_config(args, name=None, dump_dir=None):
 
 
 def _total_ms(result):
-    if result.get("status") != "ok" or not result["forward_ms"] or not result["backward_ms"]:
+    if result.get("status") != "ok" or not result["total_ms"]:
         return None
-    return result["forward_ms"]["max"] + result["backward_ms"]["max"]
+    return result["total_ms"]["max"]
 
 
 # --- report --------------------------------------------------------------------------------
@@ -744,7 +749,7 @@ def format_table(run) -> str:
             f" f {c['moe_expert_capacity_factor'] or 'dropless'} chunks {c['moe_parm_chunks']}")
     if run.get("name"):
         head = f"[{run['name']}] " + head
-    cols = ("schedule", "fwd ms r0/max", "bwd ms r0/max", "ratio", "a2a KiB", "ag KiB",
+    cols = ("schedule", "fwd ms r0/max", "bwd ms r0/max", "fwd+bwd ms", "ratio", "a2a KiB", "ag KiB",
             "rs KiB", "ar KiB", "node KiB", "floor ms", "x floor", "d out", "d in-grad",
             "d gate", "d expert", "d aux")
     rows = []
@@ -768,7 +773,7 @@ def format_table(run) -> str:
         rows.append((name,
                      f"{_fmt(f and f['rank0'], '.2f')}/{_fmt(f and f['max'], '.2f')}",
                      f"{_fmt(b and b['rank0'], '.2f')}/{_fmt(b and b['max'], '.2f')}",
-                     _fmt(r["fwd_bwd_ratio"], ".2f"), *kib,
+                     _fmt(_total_ms(r), ".2f"), _fmt(r["fwd_bwd_ratio"], ".2f"), *kib,
                      _fmt(r["cross_node_bytes"] and r["cross_node_bytes"] / 1024, ".1f"),
                      _fmt(r["link_floor_ms"], ".1f"),
                      _fmt(r["link_floor_ms"] and _total_ms(r) / r["link_floor_ms"], ".2f"),
@@ -781,10 +786,11 @@ def format_table(run) -> str:
             lines.append(f"{row[0].ljust(widths[0])}  {row[1]}")
         else:
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
-    lines.append("bytes: sent per rank (max over ranks), forward + backward, one iteration; "
-                 f"ratio: (fwd + bwd, max over ranks) / {c['ratio_to']}'s; node KiB: sent off the "
+    lines.append("fwd+bwd ms: one iteration's forward + backward, max over ranks; bytes: sent per "
+                 "rank (max over ranks), forward + backward, one iteration; "
+                 f"ratio: fwd+bwd / {c['ratio_to']}'s; node KiB: sent off the "
                  "busiest node (forward + backward); floor ms: that over --inter-node-rate; "
-                 "x floor: fwd + bwd / floor; d: max abs diff to reference.py")
+                 "x floor: fwd+bwd / floor; d: max abs diff to reference.py")
     return "\n".join(lines)
 
 

@@ -70,7 +70,7 @@ def grid() -> list:
 def total_ms(row):
     if not row or row.get("status") != "ok":
         return None
-    return row["forward_ms"]["max"] + row["backward_ms"]["max"]
+    return row["total_ms"]["max"]
 
 
 def summarise(runs: list) -> dict:

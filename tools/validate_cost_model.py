@@ -126,7 +126,7 @@ def merge_rounds(paths: list) -> list:
         for schedule, result in run["schedules"].items():
             if result.get("status") != "ok":
                 continue
-            for key in ("forward_ms", "backward_ms"):
+            for key in ("forward_ms", "backward_ms", "total_ms"):
                 values = [r[name]["schedules"][schedule][key]["max"] for r in rounds]
                 result[key]["max"] = statistics.fmean(values)
                 result[key]["rounds"] = values
@@ -135,10 +135,11 @@ def merge_rounds(paths: list) -> list:
 
 
 def measured_s(result: dict):
-    """Forward + backward seconds (each the max over ranks), or None if it did not run."""
+    """Forward + backward seconds (bench_moe_layer's total_ms: max over ranks), or None if it
+    did not run."""
     if result.get("status") != "ok":
         return None
-    return (result["forward_ms"]["max"] + result["backward_ms"]["max"]) / 1e3
+    return result["total_ms"]["max"] / 1e3
 
 
 def parts(name: str, shape: LayerShape, profile: Profile) -> np.ndarray:

@@ -201,7 +201,7 @@ def check_start_finish(part):
     """comm.start/finish equal the blocking op in both directions, for every kind; and once
     the backward is done nothing of the pair stays alive (its handle, which holds its output,
     would hold the autograd graph through C++, out of the garbage collector's sight)."""
-    import gc, weakref
+    import gc, time, weakref
     group = GROUPS[part]
     for kind, op in (("alltoall", "all_to_all"), ("allgather", "all_gather"),
                      ("reducescatter", "reduce_scatter"), ("gather", "gather")):
@@ -217,7 +217,11 @@ def check_start_finish(part):
         out, grad, _, _ = run_dist(pair, xs[RANK], ups[RANK])
         expect(torch.equal(out, outs[RANK].detach()), f"start/finish {kind} {part}: forward")
         expect(torch.equal(grad, grads[RANK]), f"start/finish {kind} {part}: backward")
-        gc.collect()
+        for _ in range(25):  # gloo's worker thread lets go of a finished work a moment later
+            gc.collect()
+            if all(ref is None or ref() is None for ref in pendings):
+                break
+            time.sleep(0.02)
         expect(all(ref is None or ref() is None for ref in pendings),
                f"start/finish {kind} {part}: the pending pair outlives its backward")
 

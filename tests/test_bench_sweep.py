@@ -81,7 +81,6 @@ def test_link_floor(tmp_path):
 def test_nodes(tmp_path, monkeypatch, capsys):
     """With --nodes each world runs under tools/emulated_cluster.py with world / nodes ranks
     per node, and bench_moe_layer gets no --nproc; a world --nodes does not divide is refused."""
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))
     args = tool.parse(["--nodes", "2", "--worlds", "2,4", "--out-dir", str(tmp_path)])
     command = tool.bench_command(args, 4, "c.json", "b.json")
     assert command[1].endswith("emulated_cluster.py") and "--nproc" not in command
@@ -91,7 +90,8 @@ def test_nodes(tmp_path, monkeypatch, capsys):
     assert command[command.index("--") + 1].endswith("bench_moe_layer.py")
     assert command[-4:] == ["--configs", "c.json", "--json", "b.json"]
     one = tool.bench_command(tool.parse([]), 4, "c.json", "b.json")
-    assert one[2:4] == ["--nproc", "4"]
+    assert one[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    assert one[6].endswith("bench_moe_layer.py") and one[-4:] == command[-4:]
     for bad in (["--nodes", "4", "--worlds", "2,4,8"], ["--nodes", "0"]):
         with pytest.raises(SystemExit):
             tool.main(bad + ["--out-dir", str(tmp_path / "refused")])

@@ -27,7 +27,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-from emulated_cluster import command_line  # noqa: E402
+from emulated_cluster import add_node_flags, launch_command  # noqa: E402
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*\| ms/iter ([\d.]+) \| tokens/s ([\d.]+)")
 MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
          "--seq-length", "128", "--max-position-embeddings", "128", "--disable-bias-linear",
@@ -60,11 +60,8 @@ def command(args, schedule: str, run_dir: str) -> list:
     if args.tp > 1:
         flags.append("--sequence-parallel")
     flags += args.extra
-    if args.nodes > 1:
-        return command_line(args.nodes, args.nproc // args.nodes, args.inter_node_bandwidth,
-                            os.path.join(run_dir, "nodes"), ["pretrain_gpt_moe.py", *flags])
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            str(args.nproc), "pretrain_gpt_moe.py", *flags]
+    return launch_command(args.nproc, args.nodes, args.inter_node_bandwidth,
+                          os.path.join(run_dir, "nodes"), ["pretrain_gpt_moe.py", *flags])
 
 
 def collect_output(args, run_dir: str, stdout: str) -> str:
@@ -88,8 +85,7 @@ def parse(argv):
     p.add_argument("--log-interval", type=int, default=10)
     p.add_argument("--data-path", default="data/demo/corpus_text_document")
     p.add_argument("--tokenizer-model", default="data/demo/tokenizer.model")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--inter-node-bandwidth", default="200mbit")
+    add_node_flags(p)
     p.add_argument("--out-dir", default="runs/bench_e2e")
     p.add_argument("--json", default=None, help="default: OUT_DIR/bench_e2e.json")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="-- flags for pretrain_gpt_moe.py")

@@ -33,6 +33,10 @@ import subprocess
 import sys
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, TOOLS)
+
+from emulated_cluster import add_node_flags, launch_command  # noqa: E402
+
 PARM = ("s1", "s2", "auto")
 MEGATRON = ("megatron-alltoall", "megatron-allgather")
 ROWS = ("baseline", *PARM, *MEGATRON, "deepspeed-ep", "deepspeed-dedup", "deepspeed-ted")
@@ -189,16 +193,11 @@ def plots(runs: list, summary: dict, out_dir: str) -> list:
 
 def bench_command(args, world: int, config_path: str, json_path: str) -> list:
     """bench_moe_layer on `world` ranks: on this machine, or with --nodes > 1 on that many
-    emulated nodes (tools/emulated_cluster.py, world / nodes ranks each, logs in
-    OUT/nodes_w<world>)."""
-    script = os.path.join(TOOLS, "bench_moe_layer.py")
-    tool_args = ["--configs", config_path, "--json", json_path]
-    if args.nodes == 1:
-        return [sys.executable, script, "--nproc", str(world), *tool_args]
-    from emulated_cluster import command_line
-
-    return command_line(args.nodes, world // args.nodes, args.inter_node_bandwidth,
-                        os.path.join(args.out_dir, f"nodes_w{world}"), [script, *tool_args])
+    emulated nodes (world / nodes ranks each, logs in OUT/nodes_w<world>)."""
+    return launch_command(world, args.nodes, args.inter_node_bandwidth,
+                          os.path.join(args.out_dir, f"nodes_w{world}"),
+                          [os.path.join(TOOLS, "bench_moe_layer.py"), "--configs", config_path,
+                           "--json", json_path])
 
 
 def parse(argv):
@@ -210,11 +209,7 @@ def parse(argv):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--bench-json", default=None,
                    help="re-summarise earlier OUT/bench_w*.json (comma-separated) instead")
-    p.add_argument("--nodes", type=int, default=1,
-                   help="run each world on this many emulated nodes of world / nodes ranks "
-                        "(needs root; tools/emulated_cluster.py)")
-    p.add_argument("--inter-node-bandwidth", default="200mbit",
-                   help="with --nodes > 1: the emulated link rate between nodes")
+    add_node_flags(p)
     args = p.parse_args(argv)
     args.world_list = [int(w) for w in args.worlds.split(",")]
     if args.nodes < 1 or any(w % args.nodes for w in args.world_list):

@@ -181,11 +181,26 @@ class Cluster:
         self.created.clear()
 
 
-def command_line(nodes: int, procs_per_node: int, bandwidth: str, log_dir: str,
-                 script_and_args: list) -> list:
-    """The command that runs script_and_args on `nodes` emulated nodes (for other tools)."""
+def add_node_flags(parser) -> None:
+    """--nodes and --inter-node-bandwidth, for the tools that can spread their ranks over
+    emulated nodes (launch_command)."""
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="spread the ranks over this many emulated nodes (needs root; "
+                             "tools/emulated_cluster.py)")
+    parser.add_argument("--inter-node-bandwidth", default="200mbit",
+                        help="with --nodes > 1: the emulated link rate between nodes")
+
+
+def launch_command(nproc: int, nodes: int, bandwidth: str, log_dir: str,
+                   script_and_args: list) -> list:
+    """The command that runs script_and_args as nproc ranks (for other tools): on this
+    machine under torchrun, or with nodes > 1, nproc / nodes ranks on each of that many
+    emulated nodes, their logs in log_dir."""
+    if nodes == 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(nproc), *script_and_args]
     return [sys.executable, os.path.abspath(__file__), "--nodes", str(nodes), "--procs-per-node",
-            str(procs_per_node), "--inter-node-bandwidth", bandwidth, "--log-dir", log_dir, "--",
+            str(nproc // nodes), "--inter-node-bandwidth", bandwidth, "--log-dir", log_dir, "--",
             *script_and_args]
 
 

@@ -56,6 +56,10 @@ from parm_trainer.moe.cost_model import (LAYER_DEFAULT, LAYER_KEYS, LayerShape, 
                                          walk)
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, TOOLS)
+
+from emulated_cluster import add_node_flags, launch_command  # noqa: E402
+
 SCHEDULES = ("baseline", "s1", "s2")
 MARGIN = 0.05
 
@@ -205,7 +209,7 @@ def evaluate(runs: list, profile: Profile, fit_names: set) -> dict:
                 if cfg in fit_names]
     if len(fit_rows) < len(LAYER_KEYS):
         raise ValueError(f"{len(fit_rows)} measured schedules to fit {len(LAYER_KEYS)} layer "
-                         f"terms on")
+                         "terms on: measure more configurations (a larger --limit)")
     terms = fit_layer_terms([f for f, _ in fit_rows], [s for _, s in fit_rows])
     fitted = replace(profile, layer=terms)
 
@@ -328,14 +332,9 @@ def write_png(result: dict, path: str) -> str:
 def _tool(args, script: str, *tool_args) -> list:
     """The command line that runs a tool on --nproc ranks: on this machine, or across
     --nodes emulated nodes (tools/emulated_cluster.py) with the tool as every rank."""
-    if args.nodes == 1:
-        return [sys.executable, os.path.join(TOOLS, script), "--nproc", str(args.nproc),
-                *tool_args]
-    from emulated_cluster import command_line
-
-    return command_line(args.nodes, args.nproc // args.nodes, args.inter_node_bandwidth,
-                        os.path.join(args.out_dir, "nodes"),
-                        [os.path.join(TOOLS, script), *tool_args])
+    return launch_command(args.nproc, args.nodes, args.inter_node_bandwidth,
+                          os.path.join(args.out_dir, "nodes"),
+                          [os.path.join(TOOLS, script), *tool_args])
 
 
 def _run(command: list, what: str) -> None:
@@ -363,11 +362,7 @@ def parse(argv):
                         "measuring again")
     p.add_argument("--limit", type=int, default=None,
                    help="only the first N configurations of the grid (a quick look)")
-    p.add_argument("--nodes", type=int, default=1,
-                   help="spread the --nproc ranks over this many emulated nodes (needs root; "
-                        "tools/emulated_cluster.py), MP and ESP groups inside a node")
-    p.add_argument("--inter-node-bandwidth", default="200mbit",
-                   help="with --nodes > 1: the emulated link rate between nodes")
+    add_node_flags(p)
     args = p.parse_args(argv)
     if args.nodes < 1 or args.nproc % args.nodes:
         p.error(f"--nproc {args.nproc} must be a multiple of --nodes {args.nodes}")
@@ -411,7 +406,10 @@ def main(argv=None) -> int:
                        "--json", rounds[-1]), f"bench_moe_layer round {r + 1}")
     runs = merge_rounds(rounds)
 
-    result = evaluate(runs, profile, fit_names)
+    try:
+        result = evaluate(runs, profile, fit_names)
+    except ValueError as error:  # too few fit configurations (a small --limit)
+        raise SystemExit(f"validate_cost_model: {error}") from None
     result["profile"].to_json(out("profile.json"))
     print(format_report(result))
     with open(out("validation.json"), "w") as f:

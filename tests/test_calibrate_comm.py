@@ -68,3 +68,35 @@ def test_groups_and_node_share():
     world = tool.calibration_groups(8, 4)
     assert world["inter"] == [list(range(8))]
     assert tool.node_share(world["inter"], 4) == pytest.approx(4 * 4 / 7)
+    assert tool.remote_peers(world["inter"], 4) == pytest.approx(4 / 7)
+    assert tool.remote_peers(groups["inter"], 2) == 1.0
+
+
+def test_inter_alltoall_beta_is_per_byte_that_crosses(tmp_path, capsys):
+    """Measured on the whole world of 2 x 4 ranks, 3 of each rank's 7 AlltoAll peers share its
+    node: the profile's inter AlltoAll beta is the fitted one over the remote share 4/7 (the
+    model prices only the remote share of the bytes, Profile.price), ring collectives' as
+    fitted. Synthetic points, exact lines."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("calibrate_comm",
+                                                  ROOT / "tools/calibrate_comm.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    sizes = [2 ** 18 * 2 ** i for i in range(5)]
+    line = lambda alpha, beta: [(b, alpha + b * beta) for b in sizes]  # noqa: E731
+    measured = {link: (4 if link == "intra" else 8,
+                       {kind: line(1e-4, (1e-8 if link == "inter" else 1e-9)) for kind in KINDS})
+                for link in ("intra", "inter")}
+    local = {"compute": line(1e-5, 1e-11), "memory": line(1e-6, 1e-10)}
+    groups = tool.calibration_groups(8, 4)
+    args = argparse.Namespace(sizes=sizes, repeats=3, warmup=1, name="t", require_r2=False,
+                              output=str(tmp_path / "p.json"))
+    assert tool.report(args, "gloo", 8, 4, 2, measured, local,
+                       {link: tool.node_share(g, 4) for link, g in groups.items()},
+                       {link: tool.remote_peers(g, 4) for link, g in groups.items()}) == 0
+    profile = Profile.from_json(str(tmp_path / "p.json"))
+    assert profile.collectives["alltoall"]["inter"][1] == pytest.approx(1e-8 * 7 / 4)
+    assert profile.collectives["allgather"]["inter"][1] == pytest.approx(1e-8)
+    assert profile.collectives["alltoall"]["intra"][1] == pytest.approx(1e-9)

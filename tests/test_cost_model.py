@@ -15,7 +15,7 @@ import pytest
 
 from parm_trainer.moe.cost_model import (DEFAULT_PROFILE, KINDS, LayerShape, Profile,
                                          ProfileError, choose_schedule, crosses_nodes, fit_alpha_beta,
-                                         pipeline_s, pipelined_s, plan_cost, walk)
+                                         pipeline_s, pipelined_s, plan_cost, remote_share, walk)
 from parm_trainer.moe.schedules import build_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -218,6 +218,31 @@ def test_group_placement():
                        mp=8, ep=4, esp=8)
     assert DEFAULT_PROFILE.link(shape, "ep") == "inter"
     assert DEFAULT_PROFILE.link(shape, "esp") == DEFAULT_PROFILE.link(shape, "mp") == "intra"
+    # the share of a member's peers on other nodes, counted member by member
+    assert remote_share(4, 8, 8) == 1.0 and remote_share(8, 1, 8) == 0.0
+    assert remote_share(4, 1, 2) == pytest.approx(2 / 3)  # 2 nodes of 2: 2 of 3 peers remote
+    assert remote_share(8, 1, 4) == pytest.approx(4 / 7)
+    assert remote_share(3, 1, 8) == 1.0  # the group straddling rank 8 has a lone member
+
+
+def test_alltoall_across_nodes_pays_the_network_rate_only_for_remote_peers():
+    """EP 4 on 2 nodes of 2 ranks (ESP 1): each rank's AlltoAll keeps 1 of its 3 peers' blocks
+    in the node, so only 2/3 of its bytes cross; ring collectives on the same group run at
+    the network rate whole (their slowest hop)."""
+    shape = LayerShape(tokens=512, hidden=64, ffn=128, experts=4, topk=2, capacity_factor=1.0,
+                       bytes_per_element=4, mp=2, ep=4, esp=1)
+    profile = replace(DEFAULT_PROFILE, gpus_per_node=2)
+    alpha, beta = profile.collectives["alltoall"]["inter"]
+    assert profile.price("alltoall", shape, "ep") == (alpha, pytest.approx(beta * 2 / 3))
+    assert profile.price("allgather", shape, "ep") == profile.collectives["allgather"]["inter"]
+    two = replace(shape, ep=2, experts=2)  # EP 2 at stride 1 on nodes of 2: inside a node
+    assert profile.price("alltoall", two, "ep") == profile.collectives["alltoall"]["intra"]
+    # in a plan: s1's outbound AlltoAll (ESP 1: no gather with it) costs that each way
+    row = plan_cost(build_plan("s1", False), shape, profile)["steps"][3]
+    assert row["step"] == "a2a+allgather[ep,esp]"
+    sent = row["forward_bytes"]["alltoall/ep"]
+    assert sent > 0 and row["forward_bytes"] == row["backward_bytes"] == {"alltoall/ep": sent}
+    assert row["forward_s"] == row["backward_s"] == pytest.approx(alpha + sent * beta * 2 / 3)
 
 
 def test_choose_schedule_follows_the_mp_gather_bytes():

@@ -44,30 +44,41 @@ def test_grid_has_held_out_configurations_on_many_layouts():
     assert len({layout for layout, _ in node}) == len(tool.node_layouts(2)) >= 4
 
 
-def _synthetic_runs(terms):
-    """bench_moe_layer-like runs whose times are exactly the model's with `terms`."""
-    truth = replace(DEFAULT_PROFILE, layer=terms)
+def _config(layout, shape, chunks=1):
+    (mp, ep, esp, sp), (seq, mbs, hidden, ffn, experts, topk, factor) = layout, shape
+    return {"tokens_per_mp_group": seq * mbs, "hidden_size": hidden,
+            "moe_ffn_hidden_size": ffn, "num_experts": experts, "moe_router_topk": topk,
+            "moe_expert_capacity_factor": factor, "tensor_model_parallel_size": mp,
+            "expert_model_parallel_size": ep, "expert_tensor_parallel_size": esp,
+            "sequence_parallel": sp, "moe_parm_chunks": chunks}
+
+
+def _synthetic_runs(terms, chunks=(), profile=DEFAULT_PROFILE):
+    """bench_moe_layer-like runs whose times are exactly the model's with `terms`: every
+    configuration unpipelined ("c03"), and s1 and s2 at each of `chunks` ("c03r4")."""
+    truth = replace(profile, layer=terms)
     runs = []
     for i, (layout, shape) in enumerate(tool.grid()[:12]):
-        (mp, ep, esp, sp), (seq, mbs, hidden, ffn, experts, topk, factor) = layout, shape
-        config = {"tokens_per_mp_group": seq * mbs, "hidden_size": hidden,
-                  "moe_ffn_hidden_size": ffn, "num_experts": experts, "moe_router_topk": topk,
-                  "moe_expert_capacity_factor": factor, "tensor_model_parallel_size": mp,
-                  "expert_model_parallel_size": ep, "expert_tensor_parallel_size": esp,
-                  "sequence_parallel": sp, "moe_parm_chunks": 1}
-        shape_ = tool.layer_shape(config)
-        schedules = {}
-        for name in tool.SCHEDULES:
-            try:
-                seconds = plan_cost(build_plan(name, sp), shape_, truth)["total_s"]
-            except ValueError as error:
-                schedules[name] = {"status": "skipped", "reason": str(error)}
-                continue
-            schedules[name] = {"status": "ok", "forward_ms": {"max": seconds * 1e3 / 3},
-                               "backward_ms": {"max": seconds * 1e3 * 2 / 3},
-                               "total_ms": {"max": seconds * 1e3}}
-        runs.append({"name": f"c{i:02d}", "config": config, "schedules": schedules})
+        for r in (1, *chunks):
+            runs.append(_synthetic_run(f"c{i:02d}" + (f"r{r}" if r > 1 else ""),
+                                       _config(layout, shape, r), truth))
     return runs
+
+
+def _synthetic_run(name, config, truth):
+    shape_ = tool.layer_shape(config)
+    schedules = {}
+    for name_ in tool.SCHEDULES if config["moe_parm_chunks"] == 1 else tool.PIPELINED:
+        try:
+            seconds = plan_cost(build_plan(name_, config["sequence_parallel"],
+                                           config["moe_parm_chunks"]), shape_, truth)["total_s"]
+        except ValueError as error:
+            schedules[name_] = {"status": "skipped", "reason": str(error)}
+            continue
+        schedules[name_] = {"status": "ok", "forward_ms": {"max": seconds * 1e3 / 3},
+                            "backward_ms": {"max": seconds * 1e3 * 2 / 3},
+                            "total_ms": {"max": seconds * 1e3}}
+    return {"name": name, "config": config, "schedules": schedules}
 
 
 def test_evaluate_recovers_the_terms_behind_synthetic_measurements(tmp_path):
@@ -103,3 +114,62 @@ def test_rounds_are_averaged(tmp_path):
             if r["status"] == "ok":
                 assert tool.measured_s(got["schedules"][name]) == \
                     pytest.approx(2.0 * tool.measured_s(r))
+
+
+def test_parts_are_the_gradient_of_the_prediction_in_the_layer_terms():
+    # unpipelined: the isolated collective and compute seconds, 3 x steps and the calls,
+    # computed here from plan_cost on profiles with the collectives or the compute removed
+    config = _config((2, 2, 2, True), (128, 4, 256, 512, 4, 2, None))
+    shape = tool.layer_shape(config)
+    no_comm = replace(DEFAULT_PROFILE, collectives={
+        k: {link: (0.0, 1e-30) for link in v} for k, v in DEFAULT_PROFILE.collectives.items()})
+    plan = build_plan("s2", True)
+    total, compute = (plan_cost(plan, shape, p)["total_s"] for p in (DEFAULT_PROFILE, no_comm))
+    calls = sum(tool.calls(load.forward, load) + tool.calls(load.backward, load)
+                for load in (tool.step_load(st, shape, held)[0]
+                             for st, held in tool.walk(plan, shape)))
+    assert tool.parts("s2", shape, DEFAULT_PROFILE) == pytest.approx(
+        [total - compute, compute, 3 * len(plan.steps), calls], rel=1e-4)
+    # pipelined: the prediction is parts . terms at any terms (it scales with them)
+    shape = replace(shape, chunks=4)
+    for terms in ((1.0, 1.0, 0.0, 0.0), (0.7, 2.5, 3e-4, 1e-3), (1.4, 0.5, 0.0, 4e-3)):
+        want = plan_cost(build_plan("s1", True, 4), shape,
+                         replace(DEFAULT_PROFILE, layer=terms))["total_s"]
+        assert tool.parts("s1", shape, DEFAULT_PROFILE, terms) @ np.array(terms) == \
+            pytest.approx(want, rel=1e-5)
+
+
+def test_evaluate_fits_pipelined_runs_and_scores_the_chunk_count():
+    terms = (1.3, 2.0, 3e-4, 2e-3)
+    runs = _synthetic_runs(terms, chunks=(2, 4))
+    result = tool.evaluate(runs, DEFAULT_PROFILE, {"c00", "c04", "c08"})
+    fitted = result["summary"]["layer_terms"]
+    assert [fitted[k] for k in tool.LAYER_KEYS] == pytest.approx(terms, rel=1e-4)
+    assert result["summary"]["median_abs_rel_error"] == pytest.approx(0.0, abs=1e-6)
+    assert result["summary"]["held_out_configs"] == 27  # 9 configurations at r = 1, 2, 4
+    depths = result["depths"]
+    assert len(depths) == result["summary"]["depth_choices"] >= 9
+    assert all(d["excess"] == pytest.approx(0.0, abs=1e-9) for d in depths)
+    # a measurement where the model's r runs twice as slow is counted as missed
+    first = depths[0]
+    for run in runs:
+        if tool.base_name(run["name"]) == first["config"] and \
+                run["config"]["moe_parm_chunks"] == first["chosen"]:
+            run["schedules"][first["schedule"]]["total_ms"]["max"] *= 2.0
+    again = tool.evaluate(runs, DEFAULT_PROFILE, {"c00", "c04", "c08"})
+    assert again["summary"]["depth_within_10pct"] == len(depths) - 1
+    assert again["summary"]["depth_worst_excess"] > 0.1
+    assert "chunk count r" in tool.format_report(again)
+
+
+def test_node_grid_and_chunk_flags():
+    node = tool.grid(tool.node_layouts(2), tool.NODE_SHAPES, 2)
+    assert len(node) == 16 and {layout for layout, _ in node} == set(tool.node_layouts(2))
+    assert not set(tool.NODE_SHAPES) & set(tool.SHAPES)
+    argv = tool.config_argv(*node[0], 4)
+    assert argv[argv.index("--moe-parm-chunks") + 1] == "4"
+    assert argv[argv.index("--schedules") + 1] == "s1,s2"
+    assert tool.parse(["--nodes", "2"]).chunks == [2, 4]
+    assert tool.parse([]).chunks == [] and tool.parse(["--chunks", "2,8"]).chunks == [2, 8]
+    with pytest.raises(SystemExit):
+        tool.parse(["--chunks", "1"])

@@ -264,6 +264,14 @@ def calibration_groups(world, per_node, group_size=None) -> dict:
     return out
 
 
+def remote_peers(groups, per_node) -> float:
+    """The mean share of a rank's peers that sit on other nodes, over groups measured at
+    once (1 for --group-size groups across nodes)."""
+    node_of = lambda r: r // per_node  # noqa: E731
+    return statistics.fmean(sum(node_of(p) != node_of(r) for p in g) / (len(g) - 1)
+                            for g in groups for r in g)
+
+
 def node_share(groups, per_node) -> float:
     """For groups measured at once: how many of one node's ranks send at once, times the
     share of a rank's peers that sit on other nodes. A rank's fitted bandwidth times this is
@@ -271,9 +279,7 @@ def node_share(groups, per_node) -> float:
     node_of = lambda r: r // per_node  # noqa: E731
     busiest = max(sum(1 for g in groups for r in g if node_of(r) == n)
                   for n in {node_of(r) for g in groups for r in g})
-    shares = [sum(node_of(p) != node_of(r) for p in g) / (len(g) - 1)
-              for g in groups for r in g]
-    return busiest * statistics.fmean(shares)
+    return busiest * remote_peers(groups, per_node)
 
 
 def measure_groups(groups, args, device):
@@ -343,20 +349,21 @@ def worker(args) -> int:
     hosts = world // local if world % local == 0 else None
 
     measured, shares = {}, {}  # link -> (group size, {kind: points}); link -> node_share
+    remote = {}  # link -> remote_peers
     for link, groups in calibration_groups(world, per_node, args.group_size).items():
         measured[link] = measure_groups(groups, args, device)
-        shares[link] = node_share(groups, per_node)
+        shares[link], remote[link] = node_share(groups, per_node), remote_peers(groups, per_node)
     local = {name: measure_local(cases(device), args.repeats, args.warmup, device, args.calls)
              for name, cases in (("compute", gemm_cases), ("memory", memory_cases))}
     status = 0
     if rank == 0:
-        status = report(args, backend, world, per_node, hosts, measured, local, shares)
+        status = report(args, backend, world, per_node, hosts, measured, local, shares, remote)
     dist.barrier()
     dist.destroy_process_group()
     return status
 
 
-def report(args, backend, world, per_node, hosts, measured, local, shares) -> int:
+def report(args, backend, world, per_node, hosts, measured, local, shares, remote) -> int:
     fits = {link: {k: fit(points) for k, points in pts.items()}
             for link, (_, pts) in measured.items()}
     notes = [f"measured by tools/calibrate_comm.py: {backend}, world {world}, "
@@ -380,7 +387,10 @@ def report(args, backend, world, per_node, hosts, measured, local, shares) -> in
         for link in LINKS:
             src = link if link in fits else ("intra" if link == "inter" else "inter")
             alpha, beta, r2, clamped = fits[src][kind]
-            collectives[kind][link] = (alpha, beta)
+            # the model prices an inter-node AlltoAll per byte that crosses (Profile.price):
+            # where some measured peers shared a node, the fitted beta per byte sent is more
+            share = remote[src] if kind == "alltoall" and link == "inter" else 1.0
+            collectives[kind][link] = (alpha, beta / share if share > 0 else beta)
             extra[kind][link] = {"alpha_us": alpha * 1e6, "GBps": 1.0 / beta / 1e9, "r2": r2,
                                  "node_link_GBps": shares[src] / beta / 1e9 if src == "inter"
                                  and link == "inter" else None,

@@ -61,6 +61,7 @@ sys.path.insert(0, TOOLS)
 from emulated_cluster import add_node_flags, launch_command  # noqa: E402
 
 SCHEDULES = ("baseline", "s1", "s2")
+PIPELINED = ("s1", "s2")
 MARGIN = 0.05
 
 # (MP, EP, ESP, sequence parallel) on 4 ranks; baseline needs ESP = MP and is skipped elsewhere.
@@ -72,14 +73,21 @@ SHAPES = [(64, 2, 64, 128, 4, 2, None), (128, 4, 256, 512, 4, 2, None),
           (256, 2, 128, 256, 4, 2, 1.0), (128, 2, 512, 1024, 8, 2, None),
           (128, 4, 128, 512, 8, 2, 1.5), (256, 4, 64, 256, 4, 3, None),
           (512, 2, 128, 256, 8, 2, 1.0), (64, 4, 256, 1024, 4, 2, 2.0)]
+# Across emulated nodes (--nodes): layers whose AlltoAlls outweigh the shaper's bucket (tbf
+# lets its first 250 KB through at once), so the link, not the bucket, sets their time, as
+# on a real link. None is a shape of the pipelining benchmarks in docs/benchmarks.md.
+NODE_SHAPES = [(256, 4, 128, 256, 4, 2, None), (256, 2, 256, 512, 8, 2, None),
+               (512, 2, 128, 512, 4, 2, 1.0), (256, 4, 192, 384, 4, 2, 1.5),
+               (128, 4, 384, 768, 8, 2, None), (512, 4, 64, 256, 8, 3, None),
+               (256, 2, 512, 1024, 4, 2, 1.0), (128, 8, 256, 1024, 8, 4, None)]
 
 
-def grid(layouts=LAYOUTS) -> list:
-    """32 configurations: every shape on four layouts, the layouts rotating through the
-    shapes so that each layout meets several shapes."""
+def grid(layouts=LAYOUTS, shapes=SHAPES, per_shape: int = 4) -> list:
+    """Every shape on `per_shape` layouts (32 configurations by default), the layouts
+    rotating through the shapes so that each layout meets several shapes."""
     out = []
-    for i, shape in enumerate(SHAPES):
-        for j in range(4):
+    for i, shape in enumerate(shapes):
+        for j in range(per_shape):
             out.append((layouts[(i + 2 * j) % len(layouts)], shape))
     return out
 
@@ -90,14 +98,17 @@ def node_layouts(ranks_per_node: int) -> list:
     return [layout for layout in LAYOUTS if layout[0] <= ranks_per_node]
 
 
-def config_argv(layout, shape) -> list:
+def config_argv(layout, shape, chunks: int = 1) -> list:
+    """bench_moe_layer's flags for one configuration: baseline, s1 and s2 unpipelined, or s1
+    and s2 in `chunks` pieces (the baseline does not pipeline)."""
     (mp, ep, esp, sp), (seq, mbs, hidden, ffn, experts, topk, factor) = layout, shape
     argv = ["--tensor-model-parallel-size", str(mp), "--expert-model-parallel-size", str(ep),
             "--expert-tensor-parallel-size", str(esp), "--num-attention-heads", "4",
             "--hidden-size", str(hidden), "--moe-ffn-hidden-size", str(ffn),
             "--seq-length", str(seq), "--micro-batch-size", str(mbs),
             "--num-experts", str(experts), "--moe-router-topk", str(topk),
-            "--schedules", ",".join(SCHEDULES)]
+            "--schedules", ",".join(SCHEDULES if chunks == 1 else PIPELINED),
+            "--moe-parm-chunks", str(chunks)]
     if factor is not None:
         argv += ["--moe-expert-capacity-factor", str(factor)]
     if sp:
@@ -146,21 +157,29 @@ def measured_s(result: dict):
     return result["total_ms"]["max"] / 1e3
 
 
-def parts(name: str, shape: LayerShape, profile: Profile) -> np.ndarray:
-    """[collective seconds, compute + memory seconds, plan steps x 3, collective calls] of one
-    schedule (forward + backward), priced with the isolated profile (no layer terms): the
-    features the layer terms weigh."""
+# a step of each layer term for the finite differences of parts(): factors, then seconds
+_TERM_STEPS = (1e-4, 1e-4, 1e-7, 1e-7)
+
+
+def parts(name: str, shape: LayerShape, profile: Profile, terms=LAYER_DEFAULT) -> np.ndarray:
+    """The features the layer terms weigh: d(predicted forward + backward seconds) / d(term)
+    at `terms`, one per LAYER_KEYS entry. The prediction is piecewise linear in the terms and
+    scales with them (every price is a term times an isolated price), so it equals
+    parts . terms. Unpipelined, the parts are the isolated collective seconds, the isolated
+    compute + memory seconds, plan steps x 3 (backward twice) and collective calls; in a
+    pipeline they are those on its critical path at these terms."""
     plan = shape_plan(name, shape)
-    isolated = replace(profile, layer=LAYER_DEFAULT)
-    no_comm = replace(isolated, collectives={k: {link: (0.0, 1e-30) for link in v}
-                                             for k, v in profile.collectives.items()})
-    total = plan_cost(plan, shape, isolated)["total_s"]
-    compute = plan_cost(plan, shape, no_comm)["total_s"]
-    n_calls = 0
-    for step, held in walk(plan, shape):
-        load, _ = step_load(step, shape, held)
-        n_calls += calls(load.forward, load) + calls(load.backward, load)
-    return np.array([total - compute, compute, 3.0 * len(plan.steps), n_calls])
+
+    def total(t):
+        return plan_cost(plan, shape, replace(profile, layer=tuple(t)))["total_s"]
+
+    base = total(terms)
+    out = []
+    for j, h in enumerate(_TERM_STEPS):
+        t = list(terms)
+        t[j] += h
+        out.append((total(t) - base) / h)
+    return np.array(out)
 
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -196,26 +215,52 @@ def fit_layer_terms(features, seconds) -> tuple:
     return max(comm, 1e-6), max(compute, 1e-6), host, per_call
 
 
+def fit_plans(samples, profile: Profile, rounds: int = 12) -> tuple:
+    """Layer terms for [(schedule, LayerShape, measured seconds)]: fit_layer_terms on parts()
+    taken at the current terms, repeated until the terms settle (a pipeline's critical path
+    depends on them; unpipelined plans settle at once). Returns the terms of the lowest
+    squared relative error seen."""
+    seconds = np.array([s for _, _, s in samples])
+    terms, best = LAYER_DEFAULT, None
+    for _ in range(rounds):
+        features = np.array([parts(n, shape, profile, terms) for n, shape, _ in samples])
+        predicted = features @ np.array(terms)
+        score = float(np.sum(((predicted - seconds) / seconds) ** 2))
+        if best is None or score < best[0] - 1e-12:
+            best = (score, terms)
+        new = fit_layer_terms(features, seconds)
+        if np.allclose(new, terms, rtol=1e-6, atol=1e-12):
+            break
+        terms = new
+    return best[1]
+
+
+def base_name(name: str) -> str:
+    """The grid configuration a run belongs to: "c03" for "c03" and its pipelined "c03r4"."""
+    return name.split("r")[0]
+
+
 def evaluate(runs: list, profile: Profile, fit_names: set) -> dict:
-    """Fit the layer terms on fit_names' runs; predict and score the others."""
-    samples = []
+    """Fit the layer terms on fit_names' runs (with their pipelined runs); predict and score
+    the others."""
+    fit_samples = []
     for run in runs:
+        if base_name(run["name"]) not in fit_names:
+            continue
         shape = layer_shape(run["config"])
         for name in SCHEDULES:
             seconds = measured_s(run["schedules"].get(name, {}))
             if seconds is not None:
-                samples.append((run["name"], name, shape, seconds))
-    fit_rows = [(parts(n, shape, profile), s) for cfg, n, shape, s in samples
-                if cfg in fit_names]
-    if len(fit_rows) < len(LAYER_KEYS):
-        raise ValueError(f"{len(fit_rows)} measured schedules to fit {len(LAYER_KEYS)} layer "
-                         "terms on: measure more configurations (a larger --limit)")
-    terms = fit_layer_terms([f for f, _ in fit_rows], [s for _, s in fit_rows])
+                fit_samples.append((name, shape, seconds))
+    if len(fit_samples) < len(LAYER_KEYS):
+        raise ValueError(f"{len(fit_samples)} measured schedules to fit {len(LAYER_KEYS)} "
+                         "layer terms on: measure more configurations (a larger --limit)")
+    terms = fit_plans(fit_samples, profile)
     fitted = replace(profile, layer=terms)
 
     configs = []
     for run in runs:
-        if run["name"] in fit_names:
+        if base_name(run["name"]) in fit_names:
             continue
         shape = layer_shape(run["config"])
         row = {"name": run["name"], "config": run["config"], "schedules": {}}
@@ -245,6 +290,7 @@ def evaluate(runs: list, profile: Profile, fit_names: set) -> dict:
         row["auto_right"] = row["auto"] == row["fastest"]
         configs.append(row)
 
+    depths = depth_choices(configs)
     errors = [abs(s["rel_error"]) for row in configs for s in row["schedules"].values()
               if s["measured_s"] is not None]
     decided = [row for row in configs if row["margin"] is not None and row["margin"] > MARGIN]
@@ -258,8 +304,32 @@ def evaluate(runs: list, profile: Profile, fit_names: set) -> dict:
         "decisive_configs": len(decided), "auto_right_on_decisive": right,
         "auto_right_share": right / len(decided) if decided else None,
         "auto_right_all": sum(row["auto_right"] for row in configs),
+        "depth_choices": len(depths),
+        "depth_within_10pct": sum(d["excess"] <= 0.10 for d in depths),
+        "depth_worst_excess": max((d["excess"] for d in depths), default=None),
     }
-    return {"summary": summary, "configs": configs, "profile": fitted}
+    return {"summary": summary, "configs": configs, "depths": depths, "profile": fitted}
+
+
+def depth_choices(configs: list) -> list:
+    """Per held-out grid configuration and pipelined schedule measured at several chunk
+    counts r: the r the model prices cheapest among them, the measured-fastest r, and how
+    much slower the chosen r measured (excess)."""
+    by_config = {}
+    for row in configs:
+        by_config.setdefault(base_name(row["name"]), []).append(row)
+    out = []
+    for config, rows in by_config.items():
+        for name in PIPELINED:
+            times = {row["config"]["moe_parm_chunks"]: row["schedules"][name] for row in rows
+                     if row["schedules"].get(name, {}).get("measured_s") is not None}
+            if len(times) < 2:
+                continue
+            chosen = min(times, key=lambda r: times[r]["predicted_s"])
+            best = min(times, key=lambda r: times[r]["measured_s"])
+            out.append({"config": config, "schedule": name, "chosen": chosen, "best": best,
+                        "excess": times[chosen]["measured_s"] / times[best]["measured_s"] - 1})
+    return out
 
 
 def format_report(result: dict) -> str:
@@ -299,6 +369,13 @@ def format_report(result: dict) -> str:
         + (f" ({s['auto_right_share']:.0%})" if s["auto_right_share"] is not None else "")
         + f"; {s['auto_right_all']} of {s['held_out_configs']} overall",
     ]
+    if s["depth_choices"]:
+        lines.append(
+            f"chunk count r: the model's r measured within 10% of the fastest r in "
+            f"{s['depth_within_10pct']} of {s['depth_choices']} (configuration, schedule) pairs;"
+            f" worst {s['depth_worst_excess']:+.0%} ("
+            + ", ".join(f"{d['config']} {d['schedule']} r{d['chosen']}/r{d['best']}"
+                        for d in result["depths"] if d["chosen"] != d["best"]) + ")")
     return "\n".join(lines)
 
 
@@ -362,10 +439,22 @@ def parse(argv):
                         "measuring again")
     p.add_argument("--limit", type=int, default=None,
                    help="only the first N configurations of the grid (a quick look)")
+    p.add_argument("--chunks", default=None,
+                   help="comma-separated chunk counts r > 1 at which s1 and s2 are measured "
+                        "too, on every configuration (default: none on one node; 2,4 with "
+                        "--nodes, where the pipeline is what runs)")
     add_node_flags(p)
     args = p.parse_args(argv)
     if args.nodes < 1 or args.nproc % args.nodes:
         p.error(f"--nproc {args.nproc} must be a multiple of --nodes {args.nodes}")
+    if args.chunks is None:
+        args.chunks = "2,4" if args.nodes > 1 else ""
+    try:
+        args.chunks = [int(r) for r in args.chunks.split(",") if r.strip()]
+    except ValueError:
+        p.error(f"--chunks {args.chunks!r}: expected comma-separated integers")
+    if any(r < 2 for r in args.chunks):
+        p.error(f"--chunks {args.chunks}: each chunk count must be at least 2")
     return args
 
 
@@ -383,23 +472,29 @@ def main(argv=None) -> int:
                    "--output", profile_path), "calibration")
     profile = Profile.from_json(profile_path)
 
-    layouts = node_layouts(args.nproc // args.nodes) if args.nodes > 1 else LAYOUTS
-    configs = grid(layouts)[:args.limit]
+    if args.nodes > 1:  # two layouts per shape: the shaped link makes every layer slow
+        configs = grid(node_layouts(args.nproc // args.nodes), NODE_SHAPES, 2)[:args.limit]
+    else:
+        configs = grid()[:args.limit]
     names = [f"c{i:02d}" for i in range(len(configs))]
     fit_names = {n for i, n in enumerate(names) if i % 4 == 0}
+    entries = [(n, config_argv(*c)) for n, c in zip(names, configs)]
+    entries += [(f"{n}r{r}", config_argv(*c, r)) for n, c in zip(names, configs)
+                for r in args.chunks]
     if args.bench_json:
         rounds = args.bench_json.split(",")
     else:
         timing = ["--iters", str(args.iters), "--warmup", str(args.warmup)]
         # grouped by layout: each change of layout rebuilds the process groups
-        ordered = sorted(zip(names, configs), key=lambda nc: layouts.index(nc[1][0]))
+        layout_of = dict(zip(names, (layout for layout, _ in configs)))
+        ordered = sorted(entries, key=lambda e: LAYOUTS.index(layout_of[base_name(e[0])]))
         rounds = []
         for r in range(args.rounds):
             # every other round in the opposite order, so a drift of the machine's speed
             # during the run does not favour the schedules or configurations measured first
             entries = ordered if r % 2 == 0 else ordered[::-1]
             with open(out(f"configs_{r}.json"), "w") as f:
-                json.dump([{"name": n, "argv": config_argv(*c) + timing} for n, c in entries],
+                json.dump([{"name": n, "argv": argv + timing} for n, argv in entries],
                           f, indent=1)
             rounds.append(out(f"bench_{r}.json"))
             _run(_tool(args, "bench_moe_layer.py", "--configs", out(f"configs_{r}.json"),
@@ -414,7 +509,7 @@ def main(argv=None) -> int:
     print(format_report(result))
     with open(out("validation.json"), "w") as f:
         json.dump({"summary": result["summary"], "configs": result["configs"],
-                   "profile": json.loads(result["profile"].to_json())}, f, indent=1)
+                   "depths": result["depths"], "profile": json.loads(result["profile"].to_json())}, f, indent=1)
     print(f"wrote {out('validation.json')}, {out('profile.json')} (fitted profile), "
           f"{write_png(result, out('validation.png'))}")
     return 0

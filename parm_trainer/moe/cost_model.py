@@ -18,7 +18,9 @@ bytes of the tensor the collective takes:
     alltoall B*(W-1)/W; allgather B*(W-1) (B = the local piece); reducescatter B*(W-1)/W;
     allreduce 2*B*(W-1)/W;   cost = alpha + sent * beta,
 alpha and beta per kind and per link class: "intra" when every group of that kind sits inside
-one node, "inter" otherwise (all its bytes are then priced at the inter-node rate). A group of
+one node, "inter" otherwise; then a ring collective's bytes all pay the inter-node rate (the
+ring runs at its slowest hop), an AlltoAll's only the share sent to peers on other nodes
+(Profile.price). A group of
 one is the identity and costs nothing. Backward of each step is its dual (comm.py):
     a2a -> a2a, allgather -> reducescatter, reducescatter -> allgather, allreduce -> nothing,
     split_* -> AllGather of the piece, gather_* -> nothing, copy -> AllReduce,
@@ -123,15 +125,23 @@ class LayerShape:
         return {"mp": (self.mp, 1), "esp": (self.esp, 1), "ep": (self.ep, self.esp)}[name]
 
 
-def crosses_nodes(size: int, stride: int, gpus_per_node: int) -> bool:
-    """Whether some group of `size` ranks at `stride` (groups tiling blocks of size*stride
-    consecutive ranks) has members on two nodes."""
-    block = size * stride
+def remote_share(size: int, stride: int, gpus_per_node: int) -> float:
+    """The largest share of a member's peers that sit on other nodes, over the groups of
+    `size` ranks at `stride` (groups tiling blocks of size*stride consecutive ranks): 0 when
+    every group is inside a node, 1 when no two members share one."""
+    if size < 2:
+        return 0.0
+    block, worst = size * stride, 0.0
     for start in range(0, math.lcm(block, gpus_per_node), block):
         for first in range(start, start + stride):
-            if first // gpus_per_node != (first + (size - 1) * stride) // gpus_per_node:
-                return True
-    return False
+            nodes = [(first + i * stride) // gpus_per_node for i in range(size)]
+            worst = max(worst, max(sum(n != m for m in nodes) for n in nodes) / (size - 1))
+    return worst
+
+
+def crosses_nodes(size: int, stride: int, gpus_per_node: int) -> bool:
+    """Whether some group of `size` ranks at `stride` has members on two nodes."""
+    return remote_share(size, stride, gpus_per_node) > 0
 
 
 class ProfileError(ValueError):
@@ -164,9 +174,18 @@ class Profile:
         size, stride = shape.group(group)
         return "inter" if crosses_nodes(size, stride, self.gpus_per_node) else "intra"
 
-    def collective_s(self, kind: str, link: str, sent: float) -> float:
-        alpha, beta = self.collectives[kind][link]
-        return alpha + sent * beta
+    def price(self, kind: str, shape: LayerShape, group: str) -> tuple:
+        """(alpha s, beta s per byte sent) of collective `kind` on the layer's `group`. An
+        AlltoAll across nodes sends only the blocks of its remote peers over the network,
+        while the others stay in the node at the (far faster) intra-node rate: the inter beta
+        (per byte that crosses, as calibrate_comm fits it) is scaled by the remote share of
+        the peers. A ring collective runs at its slowest hop, so all its bytes pay the
+        inter-node rate."""
+        alpha, beta = self.collectives[kind][self.link(shape, group)]
+        if kind == "alltoall":
+            size, stride = shape.group(group)
+            beta *= remote_share(size, stride, self.gpus_per_node) or 1.0
+        return alpha, beta
 
     def to_json(self, path: Optional[str] = None) -> str:
         """Exact alpha/beta in seconds; written to `path` too when given."""
@@ -468,7 +487,7 @@ def pipelined_s(a_stream: tuple, b_stream: tuple, chunks: int) -> float:
 def _phase_s(colls: tuple, load: StepLoad, shape: LayerShape, profile: Profile) -> float:
     streams = []
     for kind, group, sent in colls:
-        alpha, beta = profile.collectives[kind][profile.link(shape, group)]
+        alpha, beta = profile.price(kind, shape, group)
         streams.append((alpha, sent * beta))
     if load.pipelined and len(streams) == 2:
         return pipelined_s(streams[0], streams[1], load.chunks)
@@ -493,7 +512,7 @@ def _pipeline_cost(load: StepLoad, shape: LayerShape, profile: Profile) -> tuple
         if not coll:
             return 0.0, 0.0
         (kind, group, sent), = coll
-        alpha, beta = profile.collectives[kind][profile.link(shape, group)]
+        alpha, beta = profile.price(kind, shape, group)
         return alpha * comm_factor + per_call, sent / r * beta * comm_factor
 
     work = _work_s(load.flops / r, load.moved / r, profile) * compute_factor

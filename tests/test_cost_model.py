@@ -15,7 +15,7 @@ import pytest
 
 from parm_trainer.moe.cost_model import (DEFAULT_PROFILE, KINDS, LayerShape, Profile,
                                          ProfileError, choose_schedule, crosses_nodes, fit_alpha_beta,
-                                         pipeline_s, pipelined_s, plan_cost, remote_share, walk)
+                                         pipeline_s, plan_cost, remote_share, walk)
 from parm_trainer.moe.schedules import build_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,36 +58,32 @@ def test_s1_bytes():
     # (64, 64) fp32 output piece sends 16384; the split gate's weight gradient (E x M fp32 =
     # 1024 B) is all-reduced over MP in the backward: 2 * 1024 / 2 = 1024, and in the forward
     # megatron's router all-reduces the 4 int64 token counts for the aux loss: 2 * 32 / 2 = 32.
-    pair_up = {"alltoall/ep": 16384, "allgather/esp": 32768}
-    pair_down = {"reducescatter/esp": 32768, "alltoall/ep": 16384}
+    # The exchange sends each AlltoAll twice (out and back) and, backward, the ESP gather's
+    # and scatter's duals (ReduceScatter and AllGather) of the same bytes.
+    exchange = {"alltoall/ep": 2 * 16384, "allgather/esp": 32768, "reducescatter/esp": 32768}
     assert step_bytes("s1") == [
         ("split_tokens[mp]", {}, {"allgather/mp": 16384}),
         ("gate[mp]", {"allreduce/mp": 32}, {"allreduce/mp": 1024}),
         ("dispatch", {}, {}),
-        ("a2a+allgather[ep,esp]", pair_up, pair_down),
-        ("expert", {}, {}),
-        ("reducescatter+a2a[esp,ep]", pair_down, pair_up),
+        ("pipeline[ep,esp]", exchange, exchange),
         ("combine", {}, {}),
         ("gather_tokens[mp]", {"allgather/mp": 16384}, {})]
-    # under sequence parallelism tokens arrive split: no MP gather, the same pairs
+    # under sequence parallelism tokens arrive split: no MP gather, the same exchange
     split = replace(SHAPE, sequence_parallel=True)
-    assert step_bytes("s1", split, True)[2:5] == step_bytes("s1")[3:6]
+    assert step_bytes("s1", split, True)[2:4] == step_bytes("s1")[3:5]
 
 
 def test_s2_bytes():
-    # Gate on all 128 tokens, C = 64 split over MP to 32: the forward pair moves s1's bytes;
-    # the ESP ReduceScatter of (E, 64, M) sends half of 4*64*64*4 = 32768; the unified AlltoAll
-    # (E, 32, M) sends 16384 and its MP AllGather 32768 (backward: split, then the AlltoAll);
-    # the backward of split_capacity is the MP AllGather of the (E, 32, M) piece, 32768.
+    # Gate on all 128 tokens, C = 64 split over MP to 32: the exchange moves s1's bytes, and
+    # its unified AlltoAll back + MP AllGather of the (E, 32, M) pieces sends 32768 more
+    # (backward: each MP rank keeps its block, then the AlltoAll); the backward of
+    # split_capacity is the MP AllGather of the (E, 32, M) piece, 32768.
     s1 = dict((step, (f, b)) for step, f, b in step_bytes("s1"))
+    forward, backward = s1["pipeline[ep,esp]"]
     assert step_bytes("s2") == [
         ("gate", {}, {}), ("dispatch", {}, {}),
         ("split_capacity[mp]", {}, {"allgather/mp": 32768}),
-        ("a2a+allgather[ep,esp]", *s1["a2a+allgather[ep,esp]"]),
-        ("expert", {}, {}),
-        ("reducescatter[esp]", {"reducescatter/esp": 32768}, {"allgather/esp": 32768}),
-        ("a2a+gather_capacity[ep,mp]", {"alltoall/ep": 16384, "allgather/mp": 32768},
-         {"alltoall/ep": 16384}),
+        ("pipeline[ep,esp,mp]", {**forward, "allgather/mp": 32768}, backward),
         ("combine", {}, {})]
 
 
@@ -115,9 +111,12 @@ def test_expert_flops_and_capacity_state():
     # baseline expert on (E, C, M) = 4 x 64 slots at H/ESP = 64: 2 * 256 * 64 * 64 * 2 flops
     rows = plan_cost(build_plan("baseline", False), SHAPE, DEFAULT_PROFILE)["steps"]
     assert rows[4]["step"] == "expert" and rows[4]["flops"] == 2 * 256 * 64 * 64 * 2
-    # s1's expert sees its 32 slots gathered over ESP = 64: the same rows as the baseline
+    # s1's exchange holds 32 slots and gathers them over ESP = 2 for the expert: 64 slots, the
+    # same rows and flops as the baseline
     held = dict((str(step), h) for step, h in walk(build_plan("s1", False), SHAPE))
-    assert held["expert"].capacity == 64 and held["gate[mp]"].tokens == 64
+    assert held["pipeline[ep,esp]"].capacity == 32 and held["gate[mp]"].tokens == 64
+    rows = plan_cost(build_plan("s1", False), SHAPE, DEFAULT_PROFILE)["steps"]
+    assert rows[3]["step"] == "pipeline[ep,esp]" and rows[3]["flops"] == 2 * 256 * 64 * 64 * 2
     # dropless: the expected largest of E = 8 loads ~ N(12.5, 3.31^2): z(8) = 1.43 -> 17.2 ->
     # 18, rounded up to MP = 4 where the plan splits it
     dropless = LayerShape(tokens=100, hidden=8, ffn=8, experts=8, topk=1, capacity_factor=None,
@@ -162,36 +161,29 @@ def test_layouts_the_executor_refuses_are_refused():
         plan_cost(build_plan("baseline", False), replace(SHAPE, esp=1, ep=4), DEFAULT_PROFILE)
 
 
-def test_pipelined_pair_formula():
-    # streams A = 4 s, B = 2 s, no alphas: T(r) = r * max(A/r, B/r) + min(A/r, B/r)
-    assert pipelined_s((0, 4.0), (0, 2.0), 1) == 6.0            # A + B
-    assert pipelined_s((0, 4.0), (0, 2.0), 2) == 5.0            # 2 * 2 + 1
-    assert pipelined_s((0, 4.0), (0, 2.0), 4) == 4.5            # 4 * 1 + 0.5
-    times = [pipelined_s((0, 4.0), (0, 2.0), r) for r in (1, 2, 4, 8, 64, 1024)]
-    assert times == sorted(times, reverse=True) and times[-1] == pytest.approx(4.0, abs=3e-3)
-    # alphas: r = 1 pays both once; every chunk pays them: r = 4 -> 4 * (1 + 1) + (0.5 + 0.5)
-    assert pipelined_s((1.0, 4.0), (0.5, 2.0), 1) == 7.5
-    assert pipelined_s((1.0, 4.0), (0.5, 2.0), 4) == 9.0
-
-
-def test_pair_step_priced_with_the_formula():
-    # s1's a2a+allgather: AlltoAll 16384 B over EP (inter: gpus_per_node 2, EP stride 2) at
-    # 1e-8 s/B = 163.84 us; AllGather 32768 B over ESP (intra) at 1e-9 = 32.768 us.
+def test_one_piece_exchange_is_the_sum_of_its_collectives():
+    # s1's exchange at r = 1: AlltoAll 16384 B over EP (inter: gpus_per_node 2, EP stride 2)
+    # at 1e-8 s/B = 163.84 us, out and back; ESP AllGather 32768 B and ReduceScatter 32768 B
+    # (intra) at 1e-9 = 32.768 us each; backward their duals, the same bytes. No compute.
     prof = profile(intra_beta=1e-9, inter_beta=1e-8)
-    a2a, ag = 16384 * 1e-8, 32768 * 1e-9
-    for chunks in (1, 4):
-        rows = plan_cost(build_plan("s1", False), replace(SHAPE, chunks=chunks), prof)["steps"]
-        assert rows[3]["step"] == "a2a+allgather[ep,esp]"
-        expected = a2a + ag if chunks == 1 else max(a2a, ag) + min(a2a, ag) / chunks
-        assert rows[3]["forward_s"] == pytest.approx(expected)
-        assert rows[3]["backward_s"] == pytest.approx(expected)
+    expected = 2 * 16384 * 1e-8 + 2 * 32768 * 1e-9
+    row = plan_cost(build_plan("s1", False), SHAPE, prof)["steps"][3]
+    assert row["step"] == "pipeline[ep,esp]"
+    assert row["forward_s"] == pytest.approx(expected)
+    assert row["backward_s"] == pytest.approx(expected)
+    # in 4 pieces the AlltoAlls stream back to back and the ESP work hides under them: the
+    # link's time out and back is all that is left
+    piped = plan_cost(build_plan("s1", False), replace(SHAPE, chunks=4), prof)["steps"][3]
+    assert piped["forward_s"] == pytest.approx(2 * 16384 * 1e-8)
 
 
 def test_layer_terms_add_per_step_and_per_call_costs():
-    """host_s_per_step is paid by every step, s_per_call by every collective call: s1 at
-    MP = EP = ESP = 2 without SP calls, forward, the router-count AllReduce, r AlltoAlls and r
-    AllGathers, r ReduceScatters and r AlltoAlls, the MP AllGather: 2 + 4r; backward, the
-    split's AllGather, the gate weight's AllReduce and the pairs' 4r."""
+    """host_s_per_step is paid by every step, s_per_call by every collective call on the
+    critical path: s1 at MP = EP = ESP = 2 without SP calls, forward, the router-count
+    AllReduce and the MP AllGather, and in its exchange of r pieces one outbound AlltoAll (the
+    others are issued with it and wait behind the expert work), each piece's ESP AllGather and
+    ReduceScatter, and the last return AlltoAll: 2 + 2 + 2r; backward, the split's AllGather,
+    the gate weight's AllReduce and the exchange's 2 + 2r."""
     prof = profile(alpha=1e-5)
     for chunks in (1, 2):
         shape = replace(SHAPE, chunks=chunks)
@@ -202,9 +194,9 @@ def test_layer_terms_add_per_step_and_per_call_costs():
                              replace(prof, layer=(1.0, 1.0, 0.0, 1e-3)))
         steps = len(build_plan("s1", False).steps)
         assert per_step["total_s"] - plain["total_s"] == pytest.approx(3 * steps * 1e-3)
-        assert per_call["forward_s"] - plain["forward_s"] == pytest.approx((2 + 4 * chunks) * 1e-3)
-        assert per_call["backward_s"] - plain["backward_s"] == pytest.approx((2 + 4 * chunks)
-                                                                            * 1e-3)
+        calls = 2 + 2 + 2 * chunks
+        assert per_call["forward_s"] - plain["forward_s"] == pytest.approx(calls * 1e-3)
+        assert per_call["backward_s"] - plain["backward_s"] == pytest.approx(calls * 1e-3)
 
 
 def test_group_placement():
@@ -231,18 +223,18 @@ def test_alltoall_across_nodes_pays_the_network_rate_only_for_remote_peers():
     the network rate whole (their slowest hop)."""
     shape = LayerShape(tokens=512, hidden=64, ffn=128, experts=4, topk=2, capacity_factor=1.0,
                        bytes_per_element=4, mp=2, ep=4, esp=1)
-    profile = replace(DEFAULT_PROFILE, gpus_per_node=2)
+    profile = replace(DEFAULT_PROFILE, gpus_per_node=2, compute=(0.0, 0.0))
     alpha, beta = profile.collectives["alltoall"]["inter"]
     assert profile.price("alltoall", shape, "ep") == (alpha, pytest.approx(beta * 2 / 3))
     assert profile.price("allgather", shape, "ep") == profile.collectives["allgather"]["inter"]
     two = replace(shape, ep=2, experts=2)  # EP 2 at stride 1 on nodes of 2: inside a node
     assert profile.price("alltoall", two, "ep") == profile.collectives["alltoall"]["intra"]
-    # in a plan: s1's outbound AlltoAll (ESP 1: no gather with it) costs that each way
+    # in a plan: s1's exchange (ESP 1: AlltoAll out and back, no compute priced) pays that
     row = plan_cost(build_plan("s1", False), shape, profile)["steps"][3]
-    assert row["step"] == "a2a+allgather[ep,esp]"
-    sent = row["forward_bytes"]["alltoall/ep"]
-    assert sent > 0 and row["forward_bytes"] == row["backward_bytes"] == {"alltoall/ep": sent}
-    assert row["forward_s"] == row["backward_s"] == pytest.approx(alpha + sent * beta * 2 / 3)
+    assert row["step"] == "pipeline[ep,esp]"
+    sent = row["forward_bytes"]["alltoall/ep"] / 2
+    assert sent > 0 and row["forward_bytes"] == row["backward_bytes"] == {"alltoall/ep": 2 * sent}
+    assert row["forward_s"] == row["backward_s"] == pytest.approx(2 * (alpha + sent * beta * 2 / 3))
 
 
 def test_choose_schedule_follows_the_mp_gather_bytes():
@@ -404,13 +396,12 @@ def test_pipeline_formula():
 
 @pytest.mark.parametrize("name,group", [("s1", "ep,esp"), ("s2", "ep,esp,mp")])
 def test_pipelined_plans_move_the_same_bytes(name, group):
-    """chunks > 1 turns s1's and s2's exchange into one pipeline step that sends exactly the
-    bytes of the unpipelined plan (the executor's ledger records the same), and with the
-    collectives costing more than the expert it is priced below the unpipelined plan."""
-    shape = replace(SHAPE, chunks=4)
-    piped, plain = build_plan(name, False, 4), build_plan(name, False, 1)
-    assert f"pipeline[{group}]" in [str(s) for s in piped.steps]
+    """The exchange in 4 pieces sends exactly the bytes of one piece (the executor's ledger
+    records the same), and with the collectives costing more than the expert it is priced
+    below one piece."""
+    plan = build_plan(name, False)
+    assert f"pipeline[{group}]" in [str(s) for s in plan.steps]
     prof = profile(alpha=1e-6, compute=(1e-6, 1e-12))
-    a, b = plan_cost(piped, shape, prof), plan_cost(plain, SHAPE, prof)
+    a, b = plan_cost(plan, replace(SHAPE, chunks=4), prof), plan_cost(plan, SHAPE, prof)
     assert a["bytes"] == b["bytes"]
     assert a["total_s"] < b["total_s"]

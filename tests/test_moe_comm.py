@@ -1,10 +1,10 @@
-"""parm_trainer.moe.comm: collectives, their autograd duals, the overlapped pairs and the
-byte ledger.
+"""parm_trainer.moe.comm: collectives, their autograd duals, the started/finished ones and
+the byte ledger.
 
 One torchrun launch of 4 gloo ranks checks every op on groups of 1, 2 and 4 ranks ({0,1},{2,3};
 {0,2},{1,3}; all four; singletons; None) against a reference that each rank computes locally
-from every rank's input (single-process autograd on the same values), and checks that the
-pipelined pairs equal the unchunked composition exactly for 1 to 4 chunks. Inputs are
+from every rank's input (single-process autograd on the same values), and checks that
+start/finish equal the blocking ops and leave nothing alive after the backward. Inputs are
 integer-valued floats, so every sum is exact whatever order a backend adds in, and torch.equal
 is the comparison throughout.
 
@@ -21,7 +21,7 @@ import sys
 import torch
 
 from conftest import ROOT, free_port
-from parm_trainer.moe.comm import LEDGER, CommLedger, chunk_spans, all_to_all_then_all_gather
+from parm_trainer.moe.comm import LEDGER, CommLedger, chunk_spans
 from parm_trainer.moe import comm
 
 WORKER = r'''
@@ -154,49 +154,6 @@ def check_op(op, part, dim, shape):
     expect(bwd == rows(world, (bwd_kind, part, ups[RANK])), f"{tag}: backward bytes {bwd}")
 
 
-def check_pair(a2a_part, ag_part, mid_shape, chunk_dim, dim):
-    """Both pairs on (a2a over a2a_part as "ep", ag/rs over ag_part as "esp")."""
-    ep, esp = GROUPS[a2a_part], GROUPS[ag_part]
-    world = {"ep": len(members_of(a2a_part)), "esp": len(members_of(ag_part))}
-    tag = f"a2a={a2a_part} ag={ag_part} mid={mid_shape} chunk_dim={chunk_dim} dim={dim}"
-    # all_to_all_then_all_gather
-    ref = lambda xs: REF["all_gather"](REF["all_to_all"](xs, a2a_part), ag_part, dim)
-    xs, outs, ups, grads = reference(ref, mid_shape, False, False, a2a_part)
-    plain = lambda x: comm.all_gather(comm.all_to_all(x, ep, "ep"), esp, "esp", dim)
-    base = run_dist(plain, xs[RANK], ups[RANK])
-    expect(torch.equal(base[0], outs[RANK].detach()) and torch.equal(base[1], grads[RANK]),
-           f"a2a+ag composition {tag}")
-    for chunks in (1, 2, 3, 4):
-        pair = lambda x: comm.all_to_all_then_all_gather(x, ep, "ep", esp, "esp", chunk_dim,
-                                                         dim, chunks)
-        got = run_dist(pair, xs[RANK], ups[RANK])
-        expect(torch.equal(got[0], base[0]), f"a2a+ag forward chunks={chunks} {tag}")
-        expect(torch.equal(got[1], base[1]), f"a2a+ag backward chunks={chunks} {tag}")
-        expect(got[2] == base[2] == rows(world, ("alltoall", "ep", xs[RANK]),
-                                         ("allgather", "esp", xs[RANK])),
-               f"a2a+ag forward bytes chunks={chunks} {tag}: {got[2]}")
-        expect(got[3] == base[3], f"a2a+ag backward bytes chunks={chunks} {tag}: {got[3]}")
-    # reduce_scatter_then_all_to_all, on an input whose reduced shape is mid_shape
-    shape = list(mid_shape)
-    shape[dim] *= world["esp"]
-    ref = lambda xs: REF["all_to_all"](REF["reduce_scatter"](xs, ag_part, dim), a2a_part)
-    xs, outs, ups, grads = reference(ref, shape, False, False, ag_part)
-    plain = lambda y: comm.all_to_all(comm.reduce_scatter(y, esp, "esp", dim), ep, "ep")
-    base = run_dist(plain, xs[RANK], ups[RANK])
-    expect(torch.equal(base[0], outs[RANK].detach()) and torch.equal(base[1], grads[RANK]),
-           f"rs+a2a composition {tag}")
-    for chunks in (1, 2, 3, 4):
-        pair = lambda y: comm.reduce_scatter_then_all_to_all(y, esp, "esp", ep, "ep", chunk_dim,
-                                                             dim, chunks)
-        got = run_dist(pair, xs[RANK], ups[RANK])
-        expect(torch.equal(got[0], base[0]), f"rs+a2a forward chunks={chunks} {tag}")
-        expect(torch.equal(got[1], base[1]), f"rs+a2a backward chunks={chunks} {tag}")
-        expect(got[2] == base[2] == rows(world, ("reducescatter", "esp", xs[RANK]),
-                                         ("alltoall", "ep", base[0])),
-               f"rs+a2a forward bytes chunks={chunks} {tag}: {got[2]}")
-        expect(got[3] == base[3], f"rs+a2a backward bytes chunks={chunks} {tag}: {got[3]}")
-
-
 def check_start_finish(part):
     """comm.start/finish equal the blocking op in both directions, for every kind; and once
     the backward is done nothing of the pair stays alive (its handle, which holds its output,
@@ -235,13 +192,6 @@ try:
                 divides = op not in ("reduce_scatter", "split") or dim != -1
                 if divides:
                     check_op(op, part, dim, (8, 12, 3))
-    pair_groups = [("pairs", "cross"), ("cross", "pairs"), ("all4", "pairs"),
-                   ("pairs", "all4"), ("all4", "all4"), ("none", "pairs"), ("pairs", "single")]
-    layouts = [((8, 7, 6), 1, 0), ((8, 7, 6), 1, 1), ((8, 7, 6), 2, 1), ((8, 7, 6), -1, -1),
-               ((4, 3, 5), 1, 1)]
-    for a2a_part, ag_part in pair_groups:
-        for mid_shape, chunk_dim, dim in layouts:
-            check_pair(a2a_part, ag_part, mid_shape, chunk_dim, dim)
     crashed = False
 except Exception:
     failures.append(traceback.format_exc())
@@ -266,10 +216,8 @@ def test_collectives_on_four_gloo_ranks(tmp_path):
     failures = {r["rank"]: [f[-700:] for f in r["failures"][:5]] for r in reports if r["failures"]}
     assert not failures, json.dumps(failures, indent=1)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    # start/finish: 4 partitions x 4 kinds x 3 checks; 5 op partitions x 13 op cases x 4
-    # checks; 7 pair groupings x 5 layouts x 2 pairs x
-    # (1 composition + 4 chunkings x 4) checks
-    assert [r["checks"] for r in reports] == [4 * 4 * 3 + 5 * 13 * 4 + 7 * 5 * 2 * 17] * 4
+    # start/finish: 4 partitions x 4 kinds x 3 checks; 5 op partitions x 13 op cases x 4 checks
+    assert [r["checks"] for r in reports] == [4 * 4 * 3 + 5 * 13 * 4] * 4
 
 
 def test_ledger_sums_and_filters_by_phase():
@@ -304,9 +252,7 @@ def test_group_of_none_is_identity_and_records_nothing():
     ops = [lambda t: comm.all_to_all(t, None, "ep"), lambda t: comm.all_gather(t, None, "ep", 1),
            lambda t: comm.reduce_scatter(t, None, "ep"), lambda t: comm.all_reduce(t, None, "ep"),
            lambda t: comm.split(t, None, "mp", 1), lambda t: comm.gather(t, None, "mp", 0),
-           lambda t: comm.copy_to(t, None, "mp"),
-           lambda t: all_to_all_then_all_gather(t, None, "ep", None, "esp", 1, 0, 3),
-           lambda t: comm.reduce_scatter_then_all_to_all(t, None, "esp", None, "ep", 1, 1, 2)]
+           lambda t: comm.copy_to(t, None, "mp")]
     for op in ops:
         assert op(x) is x
     assert LEDGER.totals() == {}

@@ -70,8 +70,8 @@ def _synthetic_run(name, config, truth):
     schedules = {}
     for name_ in tool.SCHEDULES if config["moe_parm_chunks"] == 1 else tool.PIPELINED:
         try:
-            seconds = plan_cost(build_plan(name_, config["sequence_parallel"],
-                                           config["moe_parm_chunks"]), shape_, truth)["total_s"]
+            seconds = plan_cost(build_plan(name_, config["sequence_parallel"]), shape_,
+                                truth)["total_s"]
         except ValueError as error:
             schedules[name_] = {"status": "skipped", "reason": str(error)}
             continue
@@ -133,7 +133,7 @@ def test_parts_are_the_gradient_of_the_prediction_in_the_layer_terms():
     # pipelined: the prediction is parts . terms at any terms (it scales with them)
     shape = replace(shape, chunks=4)
     for terms in ((1.0, 1.0, 0.0, 0.0), (0.7, 2.5, 3e-4, 1e-3), (1.4, 0.5, 0.0, 4e-3)):
-        want = plan_cost(build_plan("s1", True, 4), shape,
+        want = plan_cost(build_plan("s1", True), shape,
                          replace(DEFAULT_PROFILE, layer=terms))["total_s"]
         assert tool.parts("s1", shape, DEFAULT_PROFILE, terms) @ np.array(terms) == \
             pytest.approx(want, rel=1e-5)

@@ -17,8 +17,8 @@ counts for the others only. --chunks defaults to --moe-parm-chunks' default, 1.
 
 --what-if adds "s2spec", what the executor does not do yet: capacity padded to a multiple of MP
 instead of refused, and the backward MP AllGather (of split_capacity) hidden behind the backward
-pair (max instead of sum: an optimistic bound; the forward one is already pipelined with the
-AlltoAll back); "autospec" is the cheaper of s1 and s2spec.
+exchange (max instead of sum: an optimistic bound; the forward one already follows each
+piece's AlltoAll back); "autospec" is the cheaper of s1 and s2spec.
 
 Speedup = baseline seconds / schedule seconds, forward + backward of one MoE layer.
 """
@@ -83,7 +83,7 @@ def parse_args(argv=None):
     p.add_argument("--layouts", type=_layouts, default=_layouts("8:2,8:4,32:8"),
                    help="GPUS:MP[:EP[:ESP]] list")
     p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--chunks", type=int, default=1, help="pipelined pairs' chunks r")
+    p.add_argument("--chunks", type=int, default=1, help="pieces r of the expert exchange")
     p.add_argument("--bytes-per-element", type=int, default=2, help="2: bf16")
     p.add_argument("--what-if", action="store_true",
                    help="also price an S2 with padded capacity and a hidden backward gather")
@@ -112,11 +112,12 @@ def grid(args):
 
 def s2_as_specified(shape, profile):
     """S2 with padded capacity and the backward MP AllGather (of split_capacity) hidden behind
-    the backward pair: priced max(pair, gather) rather than the sum (an optimistic bound)."""
+    the backward exchange: priced max(exchange, gather) rather than the sum (an optimistic
+    bound)."""
     cost = plan_cost(build_plan("s2", shape.sequence_parallel),
                      replace(shape, pad_capacity=True), profile)
     step = {row["step"].split("[")[0]: row for row in cost["steps"]}
-    hidden = min(step["split_capacity"]["backward_s"], step["a2a+allgather"]["backward_s"])
+    hidden = min(step["split_capacity"]["backward_s"], step["pipeline"]["backward_s"])
     return cost["total_s"] - hidden
 
 

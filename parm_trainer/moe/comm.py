@@ -12,12 +12,8 @@ exact dual of its forward:
     split(x, dim)                  backward: all_gather            (forward sends nothing)
     gather(x, dim)                 backward: split (no comm; every rank uses the result alike)
     copy_to(x)                     backward: all_reduce            (forward sends nothing)
-    all_to_all_then_all_gather     backward: reduce_scatter then all_to_all, pipelined
-    reduce_scatter_then_all_to_all backward: all_to_all then all_gather, pipelined
-
-The two pairs are Parm's overlapped collective: x is cut into chunks along a non-zero dim and
-the first collective of chunk i+1 runs (on its own group) while the second collective of chunk
-i is in flight. Their result has exactly the layout of the unchunked composition.
+    start(kind, x) / finish(...)   the same collectives issued now and waited for later, whose
+                                   backwards swap roles (the MoE layer's pipelined exchange)
 
 Byte accounting. LEDGER records what THIS rank sends and receives over the network for a group
 of W ranks (data that stays on the rank is not counted; ring volumes):
@@ -28,9 +24,8 @@ of W ranks (data that stays on the rank is not counted; ring volumes):
     allreduce      tensor of B bytes                    sent = received = 2 * B * (W-1) / W
 
 (the AllReduce figure is rounded down to whole bytes). Entries are keyed kind/group/phase,
-phase being "forward" or "backward". An overlapped pair records its two collectives
-separately, once per call with the bytes of all chunks, so a plan's totals are the same
-whether its pairs run overlapped or not.
+phase being "forward" or "backward". A started collective records its bytes like the blocking
+one, so a plan's totals are the same whether its exchange runs in one piece or in several.
 """
 
 from __future__ import annotations
@@ -210,7 +205,7 @@ def _identity(x, group, name, phase):
     return x
 
 
-# --- the overlapped pairs ------------------------------------------------------------------
+# --- pieces --------------------------------------------------------------------------------
 
 def chunk_spans(length, chunks):
     """(offset, size) of each piece torch.tensor_split(range(length), chunks) makes, empty
@@ -223,80 +218,6 @@ def chunk_spans(length, chunks):
             spans.append((offset, size))
         offset += size
     return spans
-
-
-def _pipeline(n, first, second, place):
-    """Chunk i goes through first(i) then second(i, piece); each returns (handle, tensor).
-    first(i+1) is issued before second(i), so the two groups' collectives overlap; place(i,
-    result) runs once chunk i is done."""
-    if n == 0:
-        return
-    pending, in_flight = first(0), []
-    for i in range(n):
-        work, piece = pending
-        work.wait()
-        if i + 1 < n:
-            pending = first(i + 1)
-        in_flight.append(second(i, piece))
-    for i, (work, result) in enumerate(in_flight):
-        work.wait()
-        place(i, result)
-
-
-def _a2a_then_ag(x, a2a, ag, chunk_dim, ag_dim, chunks, phase):
-    """all_gather(all_to_all(x, a2a), ag, ag_dim), chunked along chunk_dim and pipelined."""
-    (a2a_group, a2a_name), (ag_group, ag_name) = a2a, ag
-    world_ag, local = group_size(ag_group), x.shape[ag_dim]
-    out_shape = list(x.shape)
-    out_shape[ag_dim] *= world_ag
-    out = x.new_empty(out_shape)
-    spans = chunk_spans(x.shape[chunk_dim], chunks)
-
-    def place(i, stacked):  # rank r's piece of chunk i sits inside rank r's block of ag_dim
-        offset, size = spans[i]
-        for r in range(world_ag):
-            out.narrow(ag_dim, r * local, local).narrow(chunk_dim, offset, size).copy_(stacked[r])
-
-    _pipeline(len(spans),
-              lambda i: _issue_all_to_all(x.narrow(chunk_dim, *spans[i]), a2a_group),
-              lambda i, piece: _issue_all_gather(piece, ag_group),
-              place)
-    _record("alltoall", a2a_name, x.nbytes, group_size(a2a_group), phase)
-    _record("allgather", ag_name, x.nbytes, world_ag, phase)
-    return out
-
-
-def _rs_then_a2a(y, a2a, rs, chunk_dim, rs_dim, chunks, phase):
-    """all_to_all(reduce_scatter(y, rs, rs_dim), a2a), chunked along chunk_dim (of the
-    reduced tensor) and pipelined."""
-    (a2a_group, a2a_name), (rs_group, rs_name) = a2a, rs
-    world_rs = group_size(rs_group)
-    _check_divisible(y.shape[rs_dim], world_rs, "reduce_scatter")
-    local = y.shape[rs_dim] // world_rs
-    out_shape = list(y.shape)
-    out_shape[rs_dim] = local
-    out = y.new_empty(out_shape)
-    spans = chunk_spans(out_shape[chunk_dim], chunks)
-
-    def stack_chunk(i):  # chunk i of every rank's block of rs_dim, stacked for the scatter
-        return torch.stack([y.narrow(rs_dim, r * local, local).narrow(chunk_dim, *spans[i])
-                            for r in range(world_rs)])
-
-    _pipeline(len(spans),
-              lambda i: _issue_reduce_scatter(stack_chunk(i), rs_group),
-              lambda i, piece: _issue_all_to_all(piece, a2a_group),
-              lambda i, result: out.narrow(chunk_dim, *spans[i]).copy_(result))
-    _record("reducescatter", rs_name, y.nbytes, world_rs, phase)
-    _record("alltoall", a2a_name, out.nbytes, group_size(a2a_group), phase)
-    return out
-
-
-def _split_then_a2a(grad, a2a, gather, chunk_dim, dim, chunks, phase):
-    """Backward of all_to_all_then_gather: the gathered result was used identically on every
-    rank, so each keeps its own block of the grad (no traffic), then the AlltoAll goes back."""
-    (a2a_group, a2a_name), (gather_group, gather_name) = a2a, gather
-    piece = _split(grad, gather_group, gather_name, dim, phase)
-    return _a2a(piece, a2a_group, a2a_name, phase)
 
 
 # --- autograd functions --------------------------------------------------------------------
@@ -323,9 +244,6 @@ _AllReduce = _dual_op("_AllReduce", _ar, _identity)
 _Split = _dual_op("_Split", _split, _ag)
 _Gather = _dual_op("_Gather", _ag, _split)
 _CopyTo = _dual_op("_CopyTo", _identity, _ar)
-_AllToAllThenAllGather = _dual_op("_AllToAllThenAllGather", _a2a_then_ag, _rs_then_a2a)
-_ReduceScatterThenAllToAll = _dual_op("_ReduceScatterThenAllToAll", _rs_then_a2a, _a2a_then_ag)
-_AllToAllThenGather = _dual_op("_AllToAllThenGather", _a2a_then_ag, _split_then_a2a)
 
 
 # --- public ops ----------------------------------------------------------------------------
@@ -364,47 +282,6 @@ def gather(x, group, name, dim):
 def copy_to(x, group, name):
     """Identity for a replicated x feeding rank-specific work; backward all-reduces the grad."""
     return x if group_size(group) == 1 else _CopyTo.apply(x, group, name)
-
-
-def _pair_dims(x, chunk_dim, dim, chunks):
-    chunk_dim, dim = chunk_dim % x.dim(), dim % x.dim()
-    if chunk_dim == 0 or chunks < 1:
-        raise ValueError("chunk_dim must not be 0 (the AlltoAll block dim) and chunks >= 1")
-    return chunk_dim, dim
-
-
-def all_to_all_then_all_gather(x, a2a_group, a2a_name, ag_group, ag_name, chunk_dim, ag_dim,
-                               chunks):
-    """all_gather(all_to_all(x, a2a), ag, ag_dim), the AlltoAll of chunk i+1 overlapping the
-    AllGather of chunk i (chunks cut along chunk_dim as torch.tensor_split would)."""
-    if group_size(a2a_group) == 1 and group_size(ag_group) == 1:
-        return x
-    chunk_dim, ag_dim = _pair_dims(x, chunk_dim, ag_dim, chunks)
-    return _AllToAllThenAllGather.apply(x, (a2a_group, a2a_name), (ag_group, ag_name),
-                                        chunk_dim, ag_dim, chunks)
-
-
-def reduce_scatter_then_all_to_all(y, rs_group, rs_name, a2a_group, a2a_name, chunk_dim, rs_dim,
-                                   chunks):
-    """all_to_all(reduce_scatter(y, rs, rs_dim), a2a), the AlltoAll of chunk i overlapping
-    the ReduceScatter of chunk i+1 (chunks cut along chunk_dim of the reduced tensor)."""
-    if group_size(rs_group) == 1 and group_size(a2a_group) == 1:
-        return y
-    chunk_dim, rs_dim = _pair_dims(y, chunk_dim, rs_dim, chunks)
-    return _ReduceScatterThenAllToAll.apply(y, (a2a_group, a2a_name), (rs_group, rs_name),
-                                            chunk_dim, rs_dim, chunks)
-
-
-def all_to_all_then_gather(x, a2a_group, a2a_name, gather_group, gather_name, chunk_dim, dim,
-                           chunks):
-    """gather(all_to_all(x, a2a), gather_group, dim), pipelined like all_to_all_then_all_gather
-    (Parm's unified AlltoAll + MP-AllGather of S2); the result is used identically by every
-    rank of gather_group, so the backward splits the grad instead of reduce-scattering it."""
-    if group_size(a2a_group) == 1 and group_size(gather_group) == 1:
-        return x
-    chunk_dim, dim = _pair_dims(x, chunk_dim, dim, chunks)
-    return _AllToAllThenGather.apply(x, (a2a_group, a2a_name), (gather_group, gather_name),
-                                     chunk_dim, dim, chunks)
 
 
 # --- asynchronous collectives: start now, finish later, in both directions -----------------

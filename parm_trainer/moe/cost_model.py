@@ -7,7 +7,7 @@ same plan objects the executor (layer.py) runs, with the byte formulas of comm.p
 
 Walking a plan. The model tracks what this rank holds between steps, as the executor does:
 tokens (n, M), n = N, or N/G under sequence parallelism or after split_tokens; or a dispatched
-(E, c, M) tensor, c = C after dispatch, C/G after split_capacity, ESP*c after an ESP gather.
+(E, c, M) tensor, c = C after dispatch, C/G after split_capacity.
 C is the capacity of ONE gate call on n tokens: ceil(n*k*f/E) (megatron's get_capacity); when
 f is None (dropless), the expected largest expert load over the stage's gate calls under random
 routing (LayerShape.capacity), rounded up to a multiple of G where the plan splits the capacity
@@ -20,27 +20,21 @@ bytes of the tensor the collective takes:
 alpha and beta per kind and per link class: "intra" when every group of that kind sits inside
 one node, "inter" otherwise; then a ring collective's bytes all pay the inter-node rate (the
 ring runs at its slowest hop), an AlltoAll's only the share sent to peers on other nodes
-(Profile.price). A group of
-one is the identity and costs nothing. Backward of each step is its dual (comm.py):
-    a2a -> a2a, allgather -> reducescatter, reducescatter -> allgather, allreduce -> nothing,
-    split_* -> AllGather of the piece, gather_* -> nothing, copy -> AllReduce,
-    gate[mp] (split tokens) -> AllReduce of the router weight's gradient (E*M) over MP; its
-    forward all-reduces the E per-expert token counts (int64) over MP for the aux loss.
+(Profile.price). A group of one is the identity and costs nothing. Backward of each step is
+its dual (comm.py):
+    a2a -> a2a, allreduce -> nothing, split_* -> AllGather of the piece, gather_tokens ->
+    nothing, copy -> AllReduce, gate[mp] (split tokens) -> AllReduce of the router weight's
+    gradient (E*M) over MP; its forward all-reduces the E per-expert token counts (int64) over
+    MP for the aux loss.
 
-Overlapped pair in r chunks (a2a+allgather, reducescatter+a2a; r = min(chunks, capacity slots
-of the smaller side)), a two-stage pipeline: each chunk costs a = alpha_A + A/r and
-b = alpha_B + B/r (A, B = bytes*beta of the whole streams), and
-    T(r) = r*max(a, b) + min(a, b),
-which is alpha_A + A + alpha_B + B at r = 1 and, with zero alphas, max(A, B) + min(A, B)/r:
-it tends to the longer stream as r grows, while every chunk pays its alphas. (Plans built
-with chunks > 1 use the pipeline step below instead of the pairs.)
-
-Pipeline step (s1 and s2 with chunks r > 1): AlltoAll, ESP gather, expert, ESP scatter, AlltoAll
-back (and s2's MP gather) per chunk of the capacity slots, priced by replaying the executor's
-schedule on per-chunk prices (pipeline_s): the outbound AlltoAlls run back to back on the EP
-group, the main thread takes each chunk as it arrives (gather + expert + scatter), its return
-AlltoAll queues behind the outbound ones, then its MP gather. Backward: the same with the
-returns' grads first and the expert's work doubled.
+Pipeline step (s1's and s2's expert exchange, in r = min(chunks, c) pieces): AlltoAll, ESP
+AllGather, expert, ESP ReduceScatter, AlltoAll back (and s2's MP gather) per piece of the
+capacity slots, priced by replaying the executor's schedule on per-piece prices (pipeline_s):
+the outbound AlltoAlls run back to back on the EP group, the main thread takes each piece as it
+arrives (gather + expert + scatter), its return AlltoAll queues behind the outbound ones, then
+its MP gather. Backward: the same with the returns' grads first (the AllGather's dual is a
+ReduceScatter and back), the expert's work doubled and no MP traffic (each MP rank keeps its
+block of the replicated grad). r = 1 is the sum of it all, each collective after the other.
 
 Compute: flops priced alpha + flops*beta; the backward costs twice the forward.
     expert: 2 * rows * M * (H/ESP) * 2 (fc1 and fc2), rows = E*c slots (padding included:
@@ -55,8 +49,9 @@ held out from the configurations it validates): a step's collectives cost comm_f
 their isolated alpha-beta time and its compute and memory work compute_factor times theirs
 (interference: on a shared machine they slow each other down; 1 when absent), and every step
 adds host_s_per_step (framework and launch cost; backward twice), and every collective call
-(a pipelined pair of r chunks makes 2r) adds s_per_call: each blocking call is a point where
-ranks wait for the slowest of them, which an isolated calibration of the call does not see.
+(the pipeline step makes one per collective and piece) adds s_per_call: each blocking call is
+a point where ranks wait for the slowest of them, which an isolated calibration of the call
+does not see.
 Not priced: the one-scalar all-reduce that agrees the dropless capacity.
 """
 
@@ -339,10 +334,10 @@ class Held:
 @dataclass(frozen=True)
 class StepLoad:
     """One step's work on this rank: collectives ((kind, group, bytes sent), ...) per phase,
-    whether a phase's two collectives run as a pipelined pair of `chunks`, and GEMM flops."""
+    GEMM flops and memory traffic; the pipeline step's collectives are one () or
+    ((kind, group, bytes),) per stage, run in `chunks` pieces."""
     forward: tuple = ()
     backward: tuple = ()
-    pipelined: bool = False
     chunks: int = 1
     flops: float = 0.0  # forward; the backward is priced at twice the forward
     moved: float = 0.0  # bytes read + written by memory-bound work, forward (backward twice)
@@ -378,13 +373,10 @@ def step_load(step: Step, shape: LayerShape, held: Held) -> tuple:
         ag = coll("allgather", "mp", part * s.hidden * b)
         load = StepLoad(backward=ag) if op == "split_tokens" else StepLoad(forward=ag)
         return load, replace(held, tokens=part if op == "split_tokens" else n * s.mp)
-    if op in ("split_capacity", "gather_capacity"):
-        need(op == "gather_capacity" or c % s.mp == 0, f"capacity {c} does not split over "
-             f"MP {s.mp}")
-        part = c // s.mp if op == "split_capacity" else c
-        ag = coll("allgather", "mp", s.experts * part * s.hidden * b)
-        load = StepLoad(backward=ag) if op == "split_capacity" else StepLoad(forward=ag)
-        return load, replace(held, capacity=part if op == "split_capacity" else c * s.mp)
+    if op == "split_capacity":
+        need(c % s.mp == 0, f"capacity {c} does not split over MP {s.mp}")
+        ag = coll("allgather", "mp", s.experts * (c // s.mp) * s.hidden * b)
+        return StepLoad(backward=ag), replace(held, capacity=c // s.mp)
     if op == "gate":
         if step.group != "mp":
             return StepLoad(flops=2 * n * s.hidden * s.experts), held
@@ -399,10 +391,6 @@ def step_load(step: Step, shape: LayerShape, held: Held) -> tuple:
                 replace(held, capacity=c))
     if op == "combine":
         return StepLoad(moved=(n + s.experts * c) * s.hidden * b), replace(held, capacity=0)
-    if op == "expert":
-        need(s.ffn % s.esp == 0, f"ffn {s.ffn} does not split over ESP {s.esp}")
-        rows, h = s.experts * c, s.ffn // s.esp
-        return StepLoad(flops=2 * rows * s.hidden * h * 2, moved=2 * rows * h * b), held
     if op == "a2a":
         need(s.experts % s.ep == 0, f"{s.experts} experts do not split over EP {s.ep}")
         a2a = coll("alltoall", "ep", slab)
@@ -410,32 +398,10 @@ def step_load(step: Step, shape: LayerShape, held: Held) -> tuple:
     if op in ("copy", "allreduce"):
         ar = coll("allreduce", "esp", slab)
         return (StepLoad(backward=ar) if op == "copy" else StepLoad(forward=ar)), held
-    if op in ("allgather", "reducescatter"):
-        up = op == "allgather"
-        need(up or c % s.esp == 0, f"capacity {c} does not split over ESP {s.esp}")
-        piece = slab if up else slab // s.esp
-        ag, rs = coll("allgather", "esp", piece), coll("reducescatter", "esp", piece * s.esp)
-        return (StepLoad(forward=ag, backward=rs) if up else StepLoad(forward=rs, backward=ag),
-                replace(held, capacity=c * s.esp if up else c // s.esp))
-    if op in ("a2a+allgather", "reducescatter+a2a"):
-        need(s.experts % s.ep == 0, f"{s.experts} experts do not split over EP {s.ep}")
-        up = op == "a2a+allgather"
-        need(up or c % s.esp == 0, f"capacity {c} does not split over ESP {s.esp}")
-        piece = slab if up else slab // s.esp  # the (E, c_small, M) both streams are cut from
-        a2a = coll("alltoall", "ep", piece)
-        ag, rs = coll("allgather", "esp", piece), coll("reducescatter", "esp", piece * s.esp)
-        small = c if up else c // s.esp
-        load = StepLoad(forward=a2a + ag if up else rs + a2a,
-                        backward=rs + a2a if up else a2a + ag,
-                        pipelined=True, chunks=max(1, min(s.chunks, small)))
-        return load, replace(held, capacity=c * s.esp if up else small)
-    if op == "a2a+gather_capacity":  # S2's unified AlltoAll + MP-AllGather of the layout
-        need(s.experts % s.ep == 0, f"{s.experts} experts do not split over EP {s.ep}")
-        a2a, ag = coll("alltoall", "ep", slab), coll("allgather", "mp", slab)
-        # backward: each MP rank keeps its block of the replicated grad, then one AlltoAll
-        load = StepLoad(forward=a2a + ag, backward=a2a, pipelined=True,
-                        chunks=max(1, min(s.chunks, c)))
-        return load, replace(held, capacity=c * s.mp)
+    if op == "expert":
+        need(s.ffn % s.esp == 0, f"ffn {s.ffn} does not split over ESP {s.esp}")
+        rows, h = s.experts * c, s.ffn // s.esp
+        return StepLoad(flops=2 * rows * s.hidden * h * 2, moved=2 * rows * h * b), held
     if op == "pipeline":  # a2a, ESP gather, expert, ESP scatter, a2a back [, MP gather]
         need(s.experts % s.ep == 0, f"{s.experts} experts do not split over EP {s.ep}")
         need(s.ffn % s.esp == 0, f"ffn {s.ffn} does not split over ESP {s.esp}")
@@ -476,22 +442,13 @@ def pipeline_s(out: tuple, main: float, back: tuple, tail: tuple, chunks: int,
     return max(link, tail_free if tail != (0.0, 0.0) else 0.0)
 
 
-def pipelined_s(a_stream: tuple, b_stream: tuple, chunks: int) -> float:
-    """Two streams (alpha, transfer seconds) cut in r chunks: r*max(a, b) + min(a, b), with
-    a = alpha_A + A/r, b = alpha_B + B/r. r = 1 gives alpha_A + A + alpha_B + B."""
-    r = chunks
-    a, b = a_stream[0] + a_stream[1] / r, b_stream[0] + b_stream[1] / r
-    return r * max(a, b) + min(a, b)
-
-
-def _phase_s(colls: tuple, load: StepLoad, shape: LayerShape, profile: Profile) -> float:
-    streams = []
+def _phase_s(colls: tuple, shape: LayerShape, profile: Profile) -> float:
+    """Isolated seconds of a phase's collectives, one after the other."""
+    seconds = 0.0
     for kind, group, sent in colls:
         alpha, beta = profile.price(kind, shape, group)
-        streams.append((alpha, sent * beta))
-    if load.pipelined and len(streams) == 2:
-        return pipelined_s(streams[0], streams[1], load.chunks)
-    return sum(alpha + t for alpha, t in streams)
+        seconds += alpha + sent * beta
+    return seconds
 
 
 def _work_s(flops: float, moved: float, profile: Profile) -> float:
@@ -532,17 +489,17 @@ def step_cost(step: Step, shape: LayerShape, profile: Profile, held: Held) -> tu
     compute = _work_s(load.flops, load.moved, profile)
     comm_factor, compute_factor, host, per_call = profile.layer
     compute = compute * compute_factor + host
-    return tuple(_phase_s(colls, load, shape, profile) * comm_factor + per_call * calls(colls, load)
+    return tuple(_phase_s(colls, shape, profile) * comm_factor + per_call * calls(colls, load)
                  + compute * weight
                  for colls, weight in ((load.forward, 1), (load.backward, 2)))
 
 
 def calls(colls: tuple, load: StepLoad) -> int:
-    """Collective calls of one phase of a step: a pipelined pair makes one of each per chunk,
-    the pipeline step one of each of its collectives per chunk."""
+    """Collective calls of one phase of a step: the pipeline step makes one of each of its
+    collectives per piece."""
     if load.pipeline:
         return sum(1 for c in colls if c) * load.chunks
-    return len(colls) * (load.chunks if load.pipelined and len(colls) == 2 else 1)
+    return len(colls)
 
 
 def walk(plan: Plan, shape: LayerShape) -> list:
@@ -586,7 +543,7 @@ def plan_cost(plan: Plan, shape: LayerShape, profile: Profile) -> dict:
 
 def shape_plan(name: str, shape: LayerShape) -> Plan:
     """The plan the executor runs for this shape (its sequence parallelism and chunks)."""
-    return build_plan(name, shape.sequence_parallel, shape.chunks)
+    return build_plan(name, shape.sequence_parallel)
 
 
 def price_schedules(shape: LayerShape, profile: Profile, names) -> dict:

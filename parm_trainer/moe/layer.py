@@ -43,7 +43,7 @@ class ParmMoELayer(MegatronModule):
                  pg_collection=None, schedule: str = "s1", chunks: int = 1):
         super().__init__(config=config)
         self.layer_number = layer_number
-        self.plan = build_plan(schedule, config.sequence_parallel, chunks)
+        self.plan = build_plan(schedule, config.sequence_parallel)
         self.chunks = chunks
         self.groups = {"mp": parallel_state.get_tensor_model_parallel_group(),
                        "ep": parallel_state.get_expert_model_parallel_group(),
@@ -126,10 +126,12 @@ class ParmMoELayer(MegatronModule):
         the capacity slots. Every piece's AlltoAll is issued at once; while later pieces are
         on the wire, piece i is gathered over ESP, computed, reduce-scattered and sent back
         (and, for s2, gathered over MP). Slots are independent rows, so each piece is exactly
-        the unpipelined computation on its slots; the backward overlaps the same way
-        (comm.start/finish)."""
+        the one-piece computation on its slots; the backward overlaps the same way
+        (comm.start/finish). One piece runs each collective after the other."""
         ep, esp, mp = self.groups["ep"], self.groups["esp"], self.groups["mp"]
         spans = comm.chunk_spans(x.shape[1], self.chunks)
+        if not spans:  # no capacity slots (agreed on every rank): nothing to exchange
+            return x
         outbound = [comm.start("alltoall", x.narrow(1, *span), ep, "ep") for span in spans]
         inbound = []
         for started in outbound:
@@ -141,7 +143,7 @@ class ParmMoELayer(MegatronModule):
         gathers = [comm.start("gather", comm.finish(started), mp, "mp", dim=1)
                    for started in inbound]
         pieces = [comm.finish(started) for started in gathers]  # [rank 0's span | rank 1's ...]
-        # the unpipelined layout: each MP rank's slots together, pieces in order within them
+        # the one-piece layout: each MP rank's slots together, pieces in order within them
         return torch.cat([piece.narrow(1, rank * size, size) for rank in range(self.mp_size)
                           for piece, (_, size) in zip(pieces, spans)], dim=1)
 
@@ -149,7 +151,7 @@ class ParmMoELayer(MegatronModule):
     def forward(self, hidden_states, *args, **kwargs):
         seq, batch, hidden = hidden_states.shape
         x = hidden_states.reshape(-1, hidden)
-        groups, chunks = self.groups, self.chunks
+        groups = self.groups
         seq_shape, routing = (seq, batch), None
         for step in self.plan.steps:
             op = step.op
@@ -165,26 +167,12 @@ class ParmMoELayer(MegatronModule):
                 x, routing = self._dispatch(x, probs, routing_map)
             elif op == "split_capacity":
                 x = comm.split(x, groups["mp"], "mp", dim=1)
-            elif op == "gather_capacity":
-                x = comm.gather(x, groups["mp"], "mp", dim=1)
             elif op == "a2a":
                 x = comm.all_to_all(x, groups["ep"], "ep")
             elif op == "copy":
                 x = comm.copy_to(x, groups["esp"], "esp")
             elif op == "allreduce":
                 x = comm.all_reduce(x, groups["esp"], "esp")
-            elif op == "a2a+allgather":
-                x = comm.all_to_all_then_all_gather(x, groups["ep"], "ep", groups["esp"], "esp",
-                                                    chunk_dim=1, ag_dim=1, chunks=chunks)
-            elif op == "reducescatter":
-                x = comm.reduce_scatter(x, groups["esp"], "esp", dim=1)
-            elif op == "a2a+gather_capacity":
-                x = comm.all_to_all_then_gather(x, groups["ep"], "ep", groups["mp"], "mp",
-                                                chunk_dim=1, dim=1, chunks=chunks)
-            elif op == "reducescatter+a2a":
-                x = comm.reduce_scatter_then_all_to_all(x, groups["esp"], "esp", groups["ep"],
-                                                        "ep", chunk_dim=1, rs_dim=1,
-                                                        chunks=chunks)
             elif op == "expert":
                 x = self._expert(x)
             elif op == "pipeline":

@@ -10,18 +10,14 @@ steps call (comm.py); a cost model can price the same steps. Step ops:
     split_tokens    keep this MP rank's 1/G of the tokens (no communication)
     gather_tokens   MP-AllGather of tokens, used identically by every MP rank afterwards
     split_capacity  keep this MP rank's 1/G of the capacity slots (no communication)
-    gather_capacity MP-AllGather along the capacity dimension, used identically afterwards
     a2a             AlltoAll over EP (blocks of experts)
-    allgather       ESP-AllGather along the capacity dimension
-    reducescatter   ESP-ReduceScatter along the capacity dimension
     allreduce       ESP-AllReduce
     copy            identity; backward, ESP-AllReduce of the gradient (replicated expert input)
-    a2a+allgather, reducescatter+a2a, a2a+gather_capacity
-                    the two collectives one after the other
-    pipeline        AlltoAll (EP), ESP-AllGather, expert, ESP-ReduceScatter, AlltoAll back
-                    (and, with group "ep,esp,mp", the MP-AllGather of the capacity) in
-                    `chunks` pieces of the capacity slots, the AlltoAlls running while
-                    earlier pieces compute
+    pipeline        the expert exchange: AlltoAll (EP), ESP-AllGather, expert, ESP-ReduceScatter,
+                    AlltoAll back (and, with group "ep,esp,mp", the MP-AllGather of the
+                    capacity, used identically afterwards) in r pieces of the capacity slots
+                    (the layer's chunks), the AlltoAlls of later pieces on the wire while
+                    earlier pieces compute; r = 1 is each collective after the other
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ from typing import Optional
 @dataclass(frozen=True)
 class Step:
     op: str
-    group: Optional[str] = None  # "mp", "ep", "esp", or "ep,esp" for a pair
+    group: Optional[str] = None  # "mp", "ep", "esp", or the exchange's "ep,esp[,mp]"
 
     def __str__(self) -> str:
         return f"{self.op}[{self.group}]" if self.group else self.op

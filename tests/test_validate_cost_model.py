@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from parm_trainer.moe.cost_model import DEFAULT_PROFILE, plan_cost
+from parm_trainer.moe.cost_model import DEFAULT_PROFILE, crosses_nodes, plan_cost
 from parm_trainer.moe.schedules import build_plan
 
 spec = importlib.util.spec_from_file_location("validate_cost_model",
@@ -165,6 +165,13 @@ def test_evaluate_fits_pipelined_runs_and_scores_the_chunk_count():
 def test_node_grid_and_chunk_flags():
     node = tool.grid(tool.node_layouts(2), tool.NODE_SHAPES, 2)
     assert len(node) == 16 and {layout for layout, _ in node} == set(tool.node_layouts(2))
+    # 2 nodes of 4: EP doubled, MP 4 allowed; most EP groups cross the node boundary, and no
+    # configuration pairs a layout with an expert count its EP does not divide
+    eight = tool.node_layouts(4, 8)
+    assert len(eight) == len(tool.LAYOUTS) and (4, 2, 4, False) in eight
+    assert sum(crosses_nodes(ep, esp, 4) for _, ep, esp, _ in eight) >= 6
+    node8 = tool.grid(eight, tool.NODE_SHAPES, 2)
+    assert len(node8) == 16 and all(shape[4] % layout[1] == 0 for layout, shape in node8)
     assert not set(tool.NODE_SHAPES) & set(tool.SHAPES)
     argv = tool.config_argv(*node[0], 4)
     assert argv[argv.index("--moe-parm-chunks") + 1] == "4"

@@ -32,8 +32,10 @@ share where auto chose it. OUT/validation.png plots predicted against measured.
 
 --nodes N spreads the ranks over N emulated nodes (tools/emulated_cluster.py, as root) with
 --inter-node-bandwidth between them: calibration then fits intra- and inter-node collectives
-separately, the grid keeps the layouts whose MP groups fit in a node (node_layouts), and their
-EP (and DP) groups cross the shaped link.
+separately; the grid's layouts grow EP with the world (a world of 8 doubles EP) and keep those
+whose MP groups fit in a node (node_layouts), so that most of their EP groups cross the shaped
+link; its layers are large enough for the link to set their time (NODE_SHAPES), and s1 and s2
+are measured at --chunks too.
 """
 
 from __future__ import annotations
@@ -84,18 +86,27 @@ NODE_SHAPES = [(256, 4, 128, 256, 4, 2, None), (256, 2, 256, 512, 8, 2, None),
 
 def grid(layouts=LAYOUTS, shapes=SHAPES, per_shape: int = 4) -> list:
     """Every shape on `per_shape` layouts (32 configurations by default), the layouts
-    rotating through the shapes so that each layout meets several shapes."""
+    rotating through the shapes so that each layout meets several shapes; a layout whose EP
+    does not divide the shape's experts gives way to the next one."""
     out = []
     for i, shape in enumerate(shapes):
+        chosen = []
         for j in range(per_shape):
-            out.append((layouts[(i + 2 * j) % len(layouts)], shape))
+            for k in range(len(layouts)):
+                layout = layouts[(i + 2 * j + k) % len(layouts)]
+                if shape[4] % layout[1] == 0 and layout not in chosen:
+                    chosen.append(layout)
+                    break
+        out += [(layout, shape) for layout in chosen]
     return out
 
 
-def node_layouts(ranks_per_node: int) -> list:
-    """The layouts whose MP (and so ESP) groups stay inside a node, as megatron places them:
-    on emulated nodes an MP group across the slow link is no layout anyone would run."""
-    return [layout for layout in LAYOUTS if layout[0] <= ranks_per_node]
+def node_layouts(ranks_per_node: int, world: int = 4) -> list:
+    """LAYOUTS grown to `world` ranks by EP (as a job grows over nodes), keeping those whose
+    MP (and so ESP) groups stay inside a node as megatron places them: on emulated nodes an MP
+    group across the slow link is no layout anyone would run."""
+    grow = max(1, world // 4)
+    return [(mp, ep * grow, esp, sp) for mp, ep, esp, sp in LAYOUTS if mp <= ranks_per_node]
 
 
 def config_argv(layout, shape, chunks: int = 1) -> list:
@@ -473,8 +484,10 @@ def main(argv=None) -> int:
     profile = Profile.from_json(profile_path)
 
     if args.nodes > 1:  # two layouts per shape: the shaped link makes every layer slow
-        configs = grid(node_layouts(args.nproc // args.nodes), NODE_SHAPES, 2)[:args.limit]
+        layouts = node_layouts(args.nproc // args.nodes, args.nproc)
+        configs = grid(layouts, NODE_SHAPES, 2)[:args.limit]
     else:
+        layouts = LAYOUTS
         configs = grid()[:args.limit]
     names = [f"c{i:02d}" for i in range(len(configs))]
     fit_names = {n for i, n in enumerate(names) if i % 4 == 0}
@@ -487,7 +500,7 @@ def main(argv=None) -> int:
         timing = ["--iters", str(args.iters), "--warmup", str(args.warmup)]
         # grouped by layout: each change of layout rebuilds the process groups
         layout_of = dict(zip(names, (layout for layout, _ in configs)))
-        ordered = sorted(entries, key=lambda e: LAYOUTS.index(layout_of[base_name(e[0])]))
+        ordered = sorted(entries, key=lambda e: layouts.index(layout_of[base_name(e[0])]))
         rounds = []
         for r in range(args.rounds):
             # every other round in the opposite order, so a drift of the machine's speed

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from parm_trainer.moe.cost_model import DEFAULT_PROFILE, crosses_nodes, plan_cost
+from parm_trainer.moe.cost_model import (DEFAULT_PROFILE, calls, crosses_nodes, plan_cost,
+                                         step_load, walk)
 from parm_trainer.moe.schedules import build_plan
 
 spec = importlib.util.spec_from_file_location("validate_cost_model",
@@ -125,11 +126,10 @@ def test_parts_are_the_gradient_of_the_prediction_in_the_layer_terms():
         k: {link: (0.0, 1e-30) for link in v} for k, v in DEFAULT_PROFILE.collectives.items()})
     plan = build_plan("s2", True)
     total, compute = (plan_cost(plan, shape, p)["total_s"] for p in (DEFAULT_PROFILE, no_comm))
-    calls = sum(tool.calls(load.forward, load) + tool.calls(load.backward, load)
-                for load in (tool.step_load(st, shape, held)[0]
-                             for st, held in tool.walk(plan, shape)))
+    n_calls = sum(calls(load.forward, load) + calls(load.backward, load)
+                  for load in (step_load(st, shape, held)[0] for st, held in walk(plan, shape)))
     assert tool.parts("s2", shape, DEFAULT_PROFILE) == pytest.approx(
-        [total - compute, compute, 3 * len(plan.steps), calls], rel=1e-4)
+        [total - compute, compute, 3 * len(plan.steps), n_calls], rel=1e-4)
     # pipelined: the prediction is parts . terms at any terms (it scales with them)
     shape = replace(shape, chunks=4)
     for terms in ((1.0, 1.0, 0.0, 0.0), (0.7, 2.5, 3e-4, 1e-3), (1.4, 0.5, 0.0, 4e-3)):

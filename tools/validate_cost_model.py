@@ -53,9 +53,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from parm_trainer.moe.cost_model import (LAYER_DEFAULT, LAYER_KEYS, LayerShape,  # noqa: E402
-                                         Profile, calls, choose_schedule, plan_cost, shape_plan,
-                                         step_load,
-                                         walk)
+                                         Profile, choose_schedule, plan_cost, shape_plan)
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TOOLS)
@@ -381,12 +379,12 @@ def format_report(result: dict) -> str:
         + f"; {s['auto_right_all']} of {s['held_out_configs']} overall",
     ]
     if s["depth_choices"]:
+        missed = ", ".join(f"{d['config']} {d['schedule']} r{d['chosen']} for r{d['best']}"
+                           for d in result["depths"] if d["chosen"] != d["best"])
         lines.append(
             f"chunk count r: the model's r measured within 10% of the fastest r in "
             f"{s['depth_within_10pct']} of {s['depth_choices']} (configuration, schedule) pairs;"
-            f" worst {s['depth_worst_excess']:+.0%} ("
-            + ", ".join(f"{d['config']} {d['schedule']} r{d['chosen']}/r{d['best']}"
-                        for d in result["depths"] if d["chosen"] != d["best"]) + ")")
+            f" worst {s['depth_worst_excess']:+.0%}" + (f" ({missed})" if missed else ""))
     return "\n".join(lines)
 
 

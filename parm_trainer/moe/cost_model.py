@@ -49,9 +49,11 @@ held out from the configurations it validates): a step's collectives cost comm_f
 their isolated alpha-beta time and its compute and memory work compute_factor times theirs
 (interference: on a shared machine they slow each other down; 1 when absent), and every step
 adds host_s_per_step (framework and launch cost; backward twice), and every collective call
-(the pipeline step makes one per collective and piece) adds s_per_call: each blocking call is
-a point where ranks wait for the slowest of them, which an isolated calibration of the call
-does not see.
+(the pipeline step makes one per collective and piece) adds s_per_call, outside any overlap:
+each call is a point where ranks wait for the slowest of them, and host work of its own, which
+an isolated calibration of the call does not see. (Fitted inside the pipeline's overlap
+instead, it could not tell r = 2 from r = 4 on 8 processes per 2 cores, where more pieces
+measured up to 50 % slower.)
 Not priced: the one-scalar all-reduce that agrees the dropless capacity.
 """
 
@@ -461,7 +463,9 @@ def _work_s(flops: float, moved: float, profile: Profile) -> float:
 
 def _pipeline_cost(load: StepLoad, shape: LayerShape, profile: Profile) -> tuple:
     """(forward_s, backward_s) of the pipeline step: pipeline_s on per-chunk prices, with the
-    layer terms (collectives x comm_factor, work x compute_factor, s_per_call per call)."""
+    layer terms (collectives x comm_factor, work x compute_factor), plus host_s_per_step and
+    s_per_call for each of its calls, r per collective: the host work of a call does not hide
+    under the link (on a CPU it takes the cores the transfers need too)."""
     comm_factor, compute_factor, host, per_call = profile.layer
     r = load.chunks
 
@@ -470,14 +474,15 @@ def _pipeline_cost(load: StepLoad, shape: LayerShape, profile: Profile) -> tuple
             return 0.0, 0.0
         (kind, group, sent), = coll
         alpha, beta = profile.price(kind, shape, group)
-        return alpha * comm_factor + per_call, sent / r * beta * comm_factor
+        return alpha * comm_factor, sent / r * beta * comm_factor
 
     work = _work_s(load.flops / r, load.moved / r, profile) * compute_factor
     phases = []
     for colls, weight in ((load.forward, 1), (load.backward, 2)):
         out, ag, rs, back, tail = (chunk(c) for c in colls)
         main = sum(ag) + sum(rs) + weight * work
-        phases.append(pipeline_s(out, main, back, tail, r, profile.lanes) + weight * host)
+        phases.append(pipeline_s(out, main, back, tail, r, profile.lanes) + weight * host
+                      + per_call * calls(colls, load))
     return tuple(phases)
 
 
@@ -542,7 +547,8 @@ def plan_cost(plan: Plan, shape: LayerShape, profile: Profile) -> dict:
 
 
 def shape_plan(name: str, shape: LayerShape) -> Plan:
-    """The plan the executor runs for this shape (its sequence parallelism and chunks)."""
+    """The plan the executor runs for this shape (its sequence parallelism; the pieces of its
+    exchange are shape.chunks)."""
     return build_plan(name, shape.sequence_parallel)
 
 

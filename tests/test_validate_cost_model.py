@@ -176,7 +176,7 @@ def test_node_grid_and_chunk_flags():
     argv = tool.config_argv(*node[0], 4)
     assert argv[argv.index("--moe-parm-chunks") + 1] == "4"
     assert argv[argv.index("--schedules") + 1] == "s1,s2"
-    assert tool.parse(["--nodes", "2"]).chunks == [2, 4]
+    assert tool.parse(["--nodes", "2"]).chunks == [2, 4, 8]
     assert tool.parse([]).chunks == [] and tool.parse(["--chunks", "2,8"]).chunks == [2, 8]
     with pytest.raises(SystemExit):
         tool.parse(["--chunks", "1"])

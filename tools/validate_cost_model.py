@@ -450,14 +450,14 @@ def parse(argv):
                    help="only the first N configurations of the grid (a quick look)")
     p.add_argument("--chunks", default=None,
                    help="comma-separated chunk counts r > 1 at which s1 and s2 are measured "
-                        "too, on every configuration (default: none on one node; 2,4 with "
+                        "too, on every configuration (default: none on one node; 2,4,8 with "
                         "--nodes, where the pipeline is what runs)")
     add_node_flags(p)
     args = p.parse_args(argv)
     if args.nodes < 1 or args.nproc % args.nodes:
         p.error(f"--nproc {args.nproc} must be a multiple of --nodes {args.nodes}")
     if args.chunks is None:
-        args.chunks = "2,4" if args.nodes > 1 else ""
+        args.chunks = "2,4,8" if args.nodes > 1 else ""
     try:
         args.chunks = [int(r) for r in args.chunks.split(",") if r.strip()]
     except ValueError:

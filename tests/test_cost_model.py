@@ -1,5 +1,5 @@
 """The cost model prices the plans the executor runs: its bytes are comm.py's ledger formulas on
-hand-computed shapes, backward mirrors forward, the pipelined pair follows its formula, the
+hand-computed shapes, backward mirrors forward, the exchange in pieces follows its schedule, the
 schedule choice follows the arithmetic, alpha/beta fits recover known values, profiles
 round-trip through JSON, and the paper-scale simulator runs. Single process, no torch.
 """

@@ -17,7 +17,7 @@ LAYOUTS = {
     "tp2_ep2_esp2_s2": (4, {**TP2_EP2_ESP2_SP, "moe-parm-schedule": "s2"}),
     "tp2_ep2_esp2_baseline": (4, {**TP2_EP2_ESP2_SP, "moe-parm-schedule": "baseline"}),
     "tp2_ep2_esp2_megatron": (4, {**TP2_EP2_ESP2_SP, "moe-parm-schedule": "megatron"}),
-    # without sequence parallelism s1 splits the replicated tokens itself; pipelined pairs
+    # without sequence parallelism s1 splits the replicated tokens itself; two-piece exchange
     "tp2_ep2_s1_no_sp_chunks2": (4, {"tensor-model-parallel-size": 2,
                                      "expert-model-parallel-size": 2, "moe-parm-chunks": 2}),
     # ESP differs from MP with EP=1: expert grads must be summed over the expert-DP group

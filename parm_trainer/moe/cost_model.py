@@ -37,12 +37,13 @@ ReduceScatter and back), the expert's work doubled and no MP traffic (each MP ra
 block of the replicated grad). r = 1 is the sum of it all, each collective after the other.
 
 Compute: flops priced alpha + flops*beta; the backward costs twice the forward.
-    expert: 2 * rows * M * (H/ESP) * 2 (fc1 and fc2), rows = E*c slots (padding included:
-            the executor runs the expert on every slot);   gate: 2 * n * M * E.
+    expert: 2 * rows * M * (H/ESP) * 2 (fc1 and fc2), rows = E*c slots, E*c*ESP in the
+            exchange after its ESP gather (padding included: the executor runs the expert on
+            every slot);   gate: 2 * n * M * E.
 Memory-bound work, when the profile has a "memory" entry (alpha s, beta s/byte of bytes read
 plus written; calibrate_comm measures it): dispatch and combine move (n + E*c) * M elements
 (read the tokens, write the slots, or back), the expert's activation reads and writes its
-E*c * H/ESP hidden elements; backward again twice the forward. Without the entry it is not
+rows * H/ESP hidden elements; backward again twice the forward. Without the entry it is not
 priced (on GPUs it is small next to the GEMMs and the links; on CPUs it is not).
 Whole layer (optional "layer" entry, fitted by tools/validate_cost_model.py on measured layers,
 held out from the configurations it validates): a step's collectives cost comm_factor times

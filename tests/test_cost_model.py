@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from parm_trainer.moe.cost_model import (DEFAULT_PROFILE, KINDS, LayerShape, Profile,
-                                         ProfileError, choose_schedule, crosses_nodes, fit_alpha_beta,
+                                         ProfileError, choose_schedule, fit_alpha_beta,
                                          pipeline_s, plan_cost, remote_share, walk)
 from parm_trainer.moe.schedules import build_plan
 
@@ -201,10 +201,10 @@ def test_layer_terms_add_per_step_and_per_call_costs():
 def test_group_placement():
     # megatron order: ESP consecutive, EP stride ESP. 8 GPUs per node, 32 GPUs, MP=ESP=8, EP=4:
     # the ESP group is a node, the EP group spans the 4 nodes.
-    assert not crosses_nodes(8, 1, 8) and crosses_nodes(4, 8, 8)
+    assert remote_share(8, 1, 8) == 0 and remote_share(4, 8, 8) > 0
     # 8 GPUs, MP=ESP=2, EP=4 (stride 2, span 8): one node of 8, two nodes of 4
-    assert not crosses_nodes(4, 2, 8) and crosses_nodes(4, 2, 4) and not crosses_nodes(2, 1, 4)
-    assert crosses_nodes(3, 1, 8)  # groups of 3 straddle the node boundary at rank 8
+    assert remote_share(4, 2, 8) == 0 and remote_share(4, 2, 4) > 0 and remote_share(2, 1, 4) == 0
+    assert remote_share(3, 1, 8) > 0  # groups of 3 straddle the node boundary at rank 8
     shape = LayerShape(tokens=8, hidden=8, ffn=8, experts=4, topk=1, capacity_factor=1.0,
                        mp=8, ep=4, esp=8)
     assert DEFAULT_PROFILE.link(shape, "ep") == "inter"

@@ -389,8 +389,8 @@ def report(args, backend, world, per_node, hosts, measured, local, shares, remot
             alpha, beta, r2, clamped = fits[src][kind]
             # the model prices an inter-node AlltoAll per byte that crosses (Profile.price):
             # where some measured peers shared a node, the fitted beta per byte sent is more
-            share = remote[src] if kind == "alltoall" and link == "inter" else 1.0
-            collectives[kind][link] = (alpha, beta / share if share > 0 else beta)
+            share = remote[src] if kind == "alltoall" and link == src == "inter" else 1.0
+            collectives[kind][link] = (alpha, beta / share)
             extra[kind][link] = {"alpha_us": alpha * 1e6, "GBps": 1.0 / beta / 1e9, "r2": r2,
                                  "node_link_GBps": shares[src] / beta / 1e9 if src == "inter"
                                  and link == "inter" else None,

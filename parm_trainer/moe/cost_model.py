@@ -137,11 +137,6 @@ def remote_share(size: int, stride: int, gpus_per_node: int) -> float:
     return worst
 
 
-def crosses_nodes(size: int, stride: int, gpus_per_node: int) -> bool:
-    """Whether some group of `size` ranks at `stride` has members on two nodes."""
-    return remote_share(size, stride, gpus_per_node) > 0
-
-
 class ProfileError(ValueError):
     """A cost profile that cannot be used; the message names the file and the bad entry."""
 
@@ -168,9 +163,12 @@ class Profile:
     # together. The pipeline's arrivals (pipeline_s) depend on it.
     lanes: int = 1
 
+    def remote_share(self, shape: LayerShape, group: str) -> float:
+        """remote_share of the layer's `group` on this profile's nodes."""
+        return remote_share(*shape.group(group), self.gpus_per_node)
+
     def link(self, shape: LayerShape, group: str) -> str:
-        size, stride = shape.group(group)
-        return "inter" if crosses_nodes(size, stride, self.gpus_per_node) else "intra"
+        return "inter" if self.remote_share(shape, group) > 0 else "intra"
 
     def price(self, kind: str, shape: LayerShape, group: str) -> tuple:
         """(alpha s, beta s per byte sent) of collective `kind` on the layer's `group`. An
@@ -179,11 +177,9 @@ class Profile:
         (per byte that crosses, as calibrate_comm fits it) is scaled by the remote share of
         the peers. A ring collective runs at its slowest hop, so all its bytes pay the
         inter-node rate."""
-        alpha, beta = self.collectives[kind][self.link(shape, group)]
-        if kind == "alltoall":
-            size, stride = shape.group(group)
-            beta *= remote_share(size, stride, self.gpus_per_node) or 1.0
-        return alpha, beta
+        share = self.remote_share(shape, group)
+        alpha, beta = self.collectives[kind]["inter" if share > 0 else "intra"]
+        return alpha, beta * share if kind == "alltoall" and share > 0 else beta
 
     def to_json(self, path: Optional[str] = None) -> str:
         """Exact alpha/beta in seconds; written to `path` too when given."""
@@ -410,13 +406,13 @@ def step_load(step: Step, shape: LayerShape, held: Held) -> tuple:
         need(s.ffn % s.esp == 0, f"ffn {s.ffn} does not split over ESP {s.esp}")
         a2a, ag = coll("alltoall", "ep", slab), coll("allgather", "esp", slab)
         rs = coll("reducescatter", "esp", slab * s.esp)
-        rs_back, ag_back = coll("reducescatter", "esp", slab * s.esp), coll("allgather", "esp",
-                                                                            slab)
         gather = coll("allgather", "mp", slab) if "mp" in step.group.split(",") else ()
-        rows, h = s.experts * c * s.esp, s.ffn // s.esp
-        load = StepLoad(forward=(a2a, ag, rs, a2a, gather), backward=(a2a, rs_back, ag_back, a2a, ()),
+        # the expert runs on the slots gathered over ESP; backward, the gather and the scatter
+        # swap (their duals move the same bytes) and the MP gather's dual sends nothing
+        expert, _ = step_load(Step("expert"), shape, replace(held, capacity=c * s.esp))
+        load = StepLoad(forward=(a2a, ag, rs, a2a, gather), backward=(a2a, rs, ag, a2a, ()),
                         pipeline=True, chunks=max(1, min(s.chunks, c)),
-                        flops=2 * rows * s.hidden * h * 2, moved=2 * rows * h * b)
+                        flops=expert.flops, moved=expert.moved)
         return load, replace(held, capacity=c * s.mp if gather else c)
     raise ValueError(f"unknown plan step {step}")
 

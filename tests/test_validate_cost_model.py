@@ -36,13 +36,20 @@ def test_nnls_matches_least_squares_and_clips_negative_terms():
 
 def test_grid_has_held_out_configurations_on_many_layouts():
     configs = tool.grid()
-    assert len(configs) >= 32 and len(configs) - len(configs) // 4 >= 24
+    assert len(configs) >= 32
     assert len({layout for layout, _ in configs}) == len(tool.LAYOUTS)
     assert all(layout[0] >= 2 for layout, _ in configs)  # MP 1 leaves nothing to choose
     # on nodes of 2 ranks (--nodes): only layouts whose MP groups stay inside a node, each met
     node = tool.grid(tool.node_layouts(2))
     assert len(node) == len(configs) and {layout[0] for layout, _ in node} == {2}
     assert len({layout for layout, _ in node}) == len(tool.node_layouts(2)) >= 4
+    # each cross-validation fold is fitted on every layout the grid measures more than once
+    for g in (configs, node, tool.grid(tool.node_layouts(4, 8), tool.NODE_SHAPES, 2)):
+        layouts = [layout for layout, _ in g]
+        repeated = {layout for layout in layouts if layouts.count(layout) > 1}
+        for j in range(tool.FOLDS):
+            fit = {layout for i, layout in enumerate(layouts) if i % tool.FOLDS != j}
+            assert repeated <= fit
 
 
 def _config(layout, shape, chunks=1):
@@ -85,15 +92,44 @@ def _synthetic_run(name, config, truth):
 def test_evaluate_recovers_the_terms_behind_synthetic_measurements(tmp_path):
     terms = (2.0, 1.5, 2e-4, 5e-4)
     runs = _synthetic_runs(terms)
-    result = tool.evaluate(runs, DEFAULT_PROFILE, {"c00", "c04", "c08"})
-    fitted = result["summary"]["layer_terms"]
-    assert [fitted[k] for k in tool.LAYER_KEYS] == pytest.approx(terms, rel=1e-6)
-    assert result["summary"]["median_abs_rel_error"] == pytest.approx(0.0, abs=1e-9)
-    assert result["summary"]["held_out_configs"] == 9
-    assert result["summary"]["auto_right_all"] == 9  # exact times: auto is always right
+    result = tool.evaluate(runs, DEFAULT_PROFILE)
+    summary = result["summary"]
+    for fitted in (summary["layer_terms"], *summary["fold_layer_terms"]):
+        assert [fitted[k] for k in tool.LAYER_KEYS] == pytest.approx(terms, rel=1e-6)
+    assert result["profile"].layer == pytest.approx(terms, rel=1e-6)
+    assert len(summary["fold_layer_terms"]) == summary["folds"] == tool.FOLDS == 2
+    assert summary["median_abs_rel_error"] == pytest.approx(0.0, abs=1e-9)
+    # every configuration is held out once, in the order measured
+    assert [row["name"] for row in result["configs"]] == [run["name"] for run in runs]
+    assert summary["held_out_runs"] == 12
+    assert summary["auto_right_all"] == 12  # exact times: auto is always right
     assert "median |predicted - measured|" in tool.format_report(result)
     png = tool.write_png(result, str(tmp_path / "v.png"))
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_each_fold_is_predicted_by_the_terms_fitted_on_the_other():
+    # the even configurations measured with one set of terms, the odd with another: each
+    # fold's terms are the other fold's, and its rows are priced with them
+    even, odd = (2.0, 1.5, 2e-4, 5e-4), (0.5, 3.0, 1e-4, 2e-3)
+    runs = [run for i, run in enumerate(_synthetic_runs(even)) if i % 2 == 0]
+    runs += [run for i, run in enumerate(_synthetic_runs(odd)) if i % 2 == 1]
+    runs.sort(key=lambda run: run["name"])
+    result = tool.evaluate(runs, DEFAULT_PROFILE)
+    folds = result["summary"]["fold_layer_terms"]
+    assert [folds[0][k] for k in tool.LAYER_KEYS] == pytest.approx(odd, rel=1e-6)
+    assert [folds[1][k] for k in tool.LAYER_KEYS] == pytest.approx(even, rel=1e-6)
+    for i, row in enumerate(result["configs"]):
+        terms = odd if i % 2 == 0 else even
+        for name, s in row["schedules"].items():
+            if s["measured_s"] is not None:
+                shape = tool.layer_shape(row["config"])
+                assert s["predicted_s"] == pytest.approx(plan_cost(
+                    build_plan(name, shape.sequence_parallel), shape,
+                    replace(DEFAULT_PROFILE, layer=terms))["total_s"], rel=1e-6)
+    assert result["summary"]["median_abs_rel_error"] > 0.05  # the halves disagree
+    with pytest.raises(ValueError, match="configurations for 2 folds"):
+        tool.evaluate(runs[:1], DEFAULT_PROFILE)
 
 
 def test_rounds_are_averaged(tmp_path):
@@ -142,13 +178,13 @@ def test_parts_are_the_gradient_of_the_prediction_in_the_layer_terms():
 def test_evaluate_fits_pipelined_runs_and_scores_the_chunk_count():
     terms = (1.3, 2.0, 3e-4, 2e-3)
     runs = _synthetic_runs(terms, chunks=(2, 4))
-    result = tool.evaluate(runs, DEFAULT_PROFILE, {"c00", "c04", "c08"})
+    result = tool.evaluate(runs, DEFAULT_PROFILE)
     fitted = result["summary"]["layer_terms"]
     assert [fitted[k] for k in tool.LAYER_KEYS] == pytest.approx(terms, rel=1e-4)
     assert result["summary"]["median_abs_rel_error"] == pytest.approx(0.0, abs=1e-6)
-    assert result["summary"]["held_out_configs"] == 27  # 9 configurations at r = 1, 2, 4
+    assert result["summary"]["held_out_runs"] == 36  # 12 configurations at r = 1, 2, 4
     depths = result["depths"]
-    assert len(depths) == result["summary"]["depth_choices"] >= 9
+    assert len(depths) == result["summary"]["depth_choices"] >= 12
     assert all(d["excess"] == pytest.approx(0.0, abs=1e-9) for d in depths)
     # a measurement where the model's r runs twice as slow is counted as missed
     first = depths[0]
@@ -156,7 +192,7 @@ def test_evaluate_fits_pipelined_runs_and_scores_the_chunk_count():
         if tool.base_name(run["name"]) == first["config"] and \
                 run["config"]["moe_parm_chunks"] == first["chosen"]:
             run["schedules"][first["schedule"]]["total_ms"]["max"] *= 2.0
-    again = tool.evaluate(runs, DEFAULT_PROFILE, {"c00", "c04", "c08"})
+    again = tool.evaluate(runs, DEFAULT_PROFILE)
     assert again["summary"]["depth_within_10pct"] == len(depths) - 1
     assert again["summary"]["depth_worst_excess"] > 0.1
     assert "chunk count r" in tool.format_report(again)

@@ -18,17 +18,20 @@ machine, in three steps:
 3. Fit and validate. The isolated alpha-beta and FLOP prices leave out how collectives,
    compute and the framework's own host work slow each other down on a shared machine. Four
    whole-layer terms (the profile's "layer" entry: a factor on the collectives' time, a factor
-   on the compute's, a host cost per plan step and a cost per collective call) are fitted by non-negative least squares
-   on the FIT configurations only (every fourth configuration of the grid) and written with
-   the calibrated numbers into OUT/profile.json (load it with --moe-parm-cost-profile). The
-   other configurations are held out: for each one and each schedule the tool prints the
-   predicted and the measured forward + backward time, and whether auto's choice (the cheaper
-   of s1 and s2 by the model) is the measured-faster of the two.
+   on the compute's, a host cost per plan step and a cost per collective call) are fitted by
+   non-negative least squares, and validated by two-fold cross-validation: the grid's
+   configurations are dealt alternately into two halves, and each half is predicted by the
+   terms fitted on the other, so every configuration is held out once. For each one and each
+   schedule the tool prints the predicted and the measured forward + backward time, and
+   whether auto's choice (the cheaper of s1 and s2 by the model) is the measured-faster of
+   the two. The terms fitted on all configurations are written with the calibrated numbers
+   into OUT/profile.json (load it with --moe-parm-cost-profile).
 
 Summary (printed last and in OUT/validation.json): the median absolute relative error of
-predicted against measured time over the held-out configurations and schedules; among the
-held-out configurations where the faster of s1 and s2 beats the other by more than 5%, the
-share where auto chose it. OUT/validation.png plots predicted against measured.
+predicted against measured time over the held-out runs and schedules; among the held-out
+configurations where the faster of s1 and s2 beats the other by more than 5%, the share where
+auto chose it; with --chunks, the model's chunk count r against the fastest measured r.
+OUT/validation.png plots predicted against measured.
 
 --nodes N spreads the ranks over N emulated nodes (tools/emulated_cluster.py, as root) with
 --inter-node-bandwidth between them: calibration then fits intra- and inter-node collectives
@@ -63,6 +66,7 @@ from emulated_cluster import add_node_flags, launch_command  # noqa: E402
 SCHEDULES = ("baseline", "s1", "s2")
 PIPELINED = ("s1", "s2")
 MARGIN = 0.05
+FOLDS = 2  # cross-validation: each half of the grid is predicted by terms fitted on the other
 
 # (MP, EP, ESP, sequence parallel) on 4 ranks; baseline needs ESP = MP and is skipped elsewhere.
 # MP is at least 2: with MP 1 there is nothing to pause and s1, s2 and baseline are one plan.
@@ -249,55 +253,74 @@ def base_name(name: str) -> str:
     return name.split("r")[0]
 
 
-def evaluate(runs: list, profile: Profile, fit_names: set) -> dict:
-    """Fit the layer terms on fit_names' runs (with their pipelined runs); predict and score
-    the others."""
-    fit_samples = []
+def _samples(runs: list, names: set) -> list:
+    """[(schedule, LayerShape, measured seconds)] of the runs of the grid configurations in
+    names (with their pipelined runs)."""
+    samples = []
     for run in runs:
-        if base_name(run["name"]) not in fit_names:
-            continue
-        shape = layer_shape(run["config"])
-        for name in SCHEDULES:
-            seconds = measured_s(run["schedules"].get(name, {}))
-            if seconds is not None:
-                fit_samples.append((name, shape, seconds))
-    if len(fit_samples) < len(LAYER_KEYS):
-        raise ValueError(f"{len(fit_samples)} measured schedules to fit {len(LAYER_KEYS)} "
+        if base_name(run["name"]) in names:
+            shape = layer_shape(run["config"])
+            for name in SCHEDULES:
+                seconds = measured_s(run["schedules"].get(name, {}))
+                if seconds is not None:
+                    samples.append((name, shape, seconds))
+    if len(samples) < len(LAYER_KEYS):
+        raise ValueError(f"{len(samples)} measured schedules to fit {len(LAYER_KEYS)} "
                          "layer terms on: measure more configurations (a larger --limit)")
-    terms = fit_plans(fit_samples, profile)
-    fitted = replace(profile, layer=terms)
+    return samples
 
-    configs = []
-    for run in runs:
-        if base_name(run["name"]) in fit_names:
+
+def _score(run: dict, fitted: Profile) -> dict:
+    """One run's row: each schedule's predicted and measured seconds, auto's choice and the
+    measured-faster of s1 and s2."""
+    shape = layer_shape(run["config"])
+    row = {"name": run["name"], "config": run["config"], "schedules": {}}
+    for name in SCHEDULES:
+        seconds = measured_s(run["schedules"].get(name, {}))
+        if seconds is None:
+            row["schedules"][name] = {"measured_s": None, "predicted_s": None,
+                                      "reason": run["schedules"].get(name, {}).get("reason")}
             continue
-        shape = layer_shape(run["config"])
-        row = {"name": run["name"], "config": run["config"], "schedules": {}}
-        for name in SCHEDULES:
-            seconds = measured_s(run["schedules"].get(name, {}))
-            if seconds is None:
-                row["schedules"][name] = {"measured_s": None, "predicted_s": None,
-                                          "reason": run["schedules"].get(name, {}).get("reason")}
-                continue
-            predicted = plan_cost(shape_plan(name, shape), shape,
-                                  fitted)["total_s"]
-            row["schedules"][name] = {"measured_s": seconds, "predicted_s": predicted,
-                                      "rel_error": (predicted - seconds) / seconds}
-        s1, s2 = (row["schedules"][n]["measured_s"] for n in ("s1", "s2"))
-        row["auto"] = None
-        try:
-            row["auto"], _ = choose_schedule(shape, fitted)
-        except ValueError:
-            pass
-        if s1 is not None and s2 is not None:
-            fast, slow = sorted((s1, s2))
-            row["fastest"] = "s1" if s1 <= s2 else "s2"
-            row["margin"] = slow / fast - 1.0
-        else:
-            row["fastest"] = "s1" if s2 is None else "s2"
-            row["margin"] = None
-        row["auto_right"] = row["auto"] == row["fastest"]
-        configs.append(row)
+        predicted = plan_cost(shape_plan(name, shape), shape, fitted)["total_s"]
+        row["schedules"][name] = {"measured_s": seconds, "predicted_s": predicted,
+                                  "rel_error": (predicted - seconds) / seconds}
+    s1, s2 = (row["schedules"][n]["measured_s"] for n in ("s1", "s2"))
+    row["auto"] = None
+    try:
+        row["auto"], _ = choose_schedule(shape, fitted)
+    except ValueError:
+        pass
+    if s1 is not None and s2 is not None:
+        fast, slow = sorted((s1, s2))
+        row["fastest"] = "s1" if s1 <= s2 else "s2"
+        row["margin"] = slow / fast - 1.0
+    else:
+        row["fastest"] = "s1" if s2 is None else "s2"
+        row["margin"] = None
+    row["auto_right"] = row["auto"] == row["fastest"]
+    return row
+
+
+def evaluate(runs: list, profile: Profile, folds: int = FOLDS) -> dict:
+    """Cross-validate the layer terms: the grid's configurations (with their pipelined runs)
+    are dealt into `folds` interleaved folds, and each fold is predicted and scored by the
+    terms fitted on the others, so every configuration is held out once. The profile returned
+    carries the terms fitted on all of them."""
+    names = list(dict.fromkeys(base_name(run["name"]) for run in runs))
+    if len(names) < folds:
+        raise ValueError(f"{len(names)} configurations for {folds} folds: measure more "
+                         "configurations (a larger --limit)")
+    rows, fold_terms = {}, []
+    for j in range(folds):
+        held = set(names[j::folds])
+        terms = fit_plans(_samples(runs, set(names) - held), profile)
+        fold_terms.append(dict(zip(LAYER_KEYS, terms)))
+        fitted = replace(profile, layer=terms)
+        rows.update({run["name"]: _score(run, fitted) for run in runs
+                     if base_name(run["name"]) in held})
+    configs = [rows[run["name"]] for run in runs]
+    terms = fit_plans(_samples(runs, set(names)), profile)
+    fitted = replace(profile, layer=terms)
 
     depths = depth_choices(configs)
     errors = [abs(s["rel_error"]) for row in configs for s in row["schedules"].values()
@@ -305,7 +328,7 @@ def evaluate(runs: list, profile: Profile, fit_names: set) -> dict:
     decided = [row for row in configs if row["margin"] is not None and row["margin"] > MARGIN]
     right = sum(row["auto_right"] for row in decided)
     summary = {
-        "fit_configs": sorted(fit_names), "held_out_configs": len(configs),
+        "folds": folds, "fold_layer_terms": fold_terms, "held_out_runs": len(configs),
         "layer_terms": dict(zip(LAYER_KEYS, terms)),
         "median_abs_rel_error": statistics.median(errors) if errors else None,
         "p90_abs_rel_error": float(np.percentile(errors, 90)) if errors else None,
@@ -341,6 +364,12 @@ def depth_choices(configs: list) -> list:
     return out
 
 
+def _terms_text(t: dict) -> str:
+    return (f"collectives x{t['comm_factor']:.2f}, compute x{t['compute_factor']:.2f}, host "
+            f"{t['host_s_per_step'] * 1e3:.3f} ms per plan step (backward twice), "
+            f"{t['s_per_call'] * 1e3:.3f} ms per collective call")
+
+
 def format_report(result: dict) -> str:
     lines = [f"{'config':<8}{'layout':<16}{'N':>6}{'M':>5}{'H':>6}{'E':>3}{'k':>2}{'f':>5}  "
              + "".join(f"{n + ' pred/meas ms':>22}" for n in SCHEDULES)
@@ -366,17 +395,17 @@ def format_report(result: dict) -> str:
     t = s["layer_terms"]
     lines += [
         "* auto did not pick the measured-faster of s1 and s2",
-        f"layer terms fitted on {len(s['fit_configs'])} other configurations: collectives x"
-        f"{t['comm_factor']:.2f}, compute x{t['compute_factor']:.2f}, host "
-        f"{t['host_s_per_step'] * 1e3:.3f} ms per plan step (backward twice), "
-        f"{t['s_per_call'] * 1e3:.3f} ms per collective call",
-        f"held out: {s['held_out_configs']} configurations, {s['schedules_compared']} measured "
+        "layer terms fitted on all configurations (OUT/profile.json): "
+        + _terms_text(t),
+        f"each of the {s['folds']} folds predicted by the terms fitted on the others: "
+        + "; ".join(_terms_text(f) for f in s["fold_layer_terms"]),
+        f"held out: {s['held_out_runs']} runs, {s['schedules_compared']} measured "
         f"schedules; median |predicted - measured| / measured = "
         f"{s['median_abs_rel_error']:.1%} (90th percentile {s['p90_abs_rel_error']:.1%})",
         f"auto picked the measured-faster of s1/s2 in {s['auto_right_on_decisive']} of "
         f"{s['decisive_configs']} configurations where it wins by more than {MARGIN:.0%}"
         + (f" ({s['auto_right_share']:.0%})" if s["auto_right_share"] is not None else "")
-        + f"; {s['auto_right_all']} of {s['held_out_configs']} overall",
+        + f"; {s['auto_right_all']} of {s['held_out_runs']} overall",
     ]
     if s["depth_choices"]:
         missed = ", ".join(f"{d['config']} {d['schedule']} r{d['chosen']} for r{d['best']}"
@@ -488,7 +517,6 @@ def main(argv=None) -> int:
         layouts = LAYOUTS
         configs = grid()[:args.limit]
     names = [f"c{i:02d}" for i in range(len(configs))]
-    fit_names = {n for i, n in enumerate(names) if i % 4 == 0}
     entries = [(n, config_argv(*c)) for n, c in zip(names, configs)]
     entries += [(f"{n}r{r}", config_argv(*c, r)) for n, c in zip(names, configs)
                 for r in args.chunks]
@@ -513,8 +541,8 @@ def main(argv=None) -> int:
     runs = merge_rounds(rounds)
 
     try:
-        result = evaluate(runs, profile, fit_names)
-    except ValueError as error:  # too few fit configurations (a small --limit)
+        result = evaluate(runs, profile)
+    except ValueError as error:  # too few configurations to fit (a small --limit)
         raise SystemExit(f"validate_cost_model: {error}") from None
     result["profile"].to_json(out("profile.json"))
     print(format_report(result))

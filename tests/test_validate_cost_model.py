@@ -43,13 +43,6 @@ def test_grid_has_held_out_configurations_on_many_layouts():
     node = tool.grid(tool.node_layouts(2))
     assert len(node) == len(configs) and {layout[0] for layout, _ in node} == {2}
     assert len({layout for layout, _ in node}) == len(tool.node_layouts(2)) >= 4
-    # each cross-validation fold is fitted on every layout the grid measures more than once
-    for g in (configs, node, tool.grid(tool.node_layouts(4, 8), tool.NODE_SHAPES, 2)):
-        layouts = [layout for layout, _ in g]
-        repeated = {layout for layout in layouts if layouts.count(layout) > 1}
-        for j in range(tool.FOLDS):
-            fit = {layout for i, layout in enumerate(layouts) if i % tool.FOLDS != j}
-            assert repeated <= fit
 
 
 def _config(layout, shape, chunks=1):
@@ -108,19 +101,37 @@ def test_evaluate_recovers_the_terms_behind_synthetic_measurements(tmp_path):
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_folds_split_every_repeated_layout():
+    for g in (tool.grid(), tool.grid(tool.node_layouts(2), tool.NODE_SHAPES, 2),
+              tool.grid(tool.node_layouts(4, 8), tool.NODE_SHAPES, 2)):
+        runs = [{"name": f"c{i:02d}", "config": _config(*c)} for i, c in enumerate(g)]
+        runs += [{"name": f"c{i:02d}r4", "config": _config(*c, 4)} for i, c in enumerate(g)]
+        layouts = [layout for layout, _ in g]
+        repeated = {layout for layout in layouts if layouts.count(layout) > 1}
+        for seed in range(5):  # in any order the runs come
+            order = np.random.default_rng(seed).permutation(len(runs))
+            folds = tool.deal([runs[i] for i in order])
+            assert len(folds) == tool.FOLDS and set.union(*folds) == {
+                r["name"] for r in runs[:len(g)]}
+            assert sum(map(len, folds)) == len(g)  # each configuration in one fold
+            for held in folds:
+                assert repeated <= {layout for i, layout in enumerate(layouts)
+                                    if f"c{i:02d}" not in held}
+
+
 def test_each_fold_is_predicted_by_the_terms_fitted_on_the_other():
-    # the even configurations measured with one set of terms, the odd with another: each
-    # fold's terms are the other fold's, and its rows are priced with them
-    even, odd = (2.0, 1.5, 2e-4, 5e-4), (0.5, 3.0, 1e-4, 2e-3)
-    runs = [run for i, run in enumerate(_synthetic_runs(even)) if i % 2 == 0]
-    runs += [run for i, run in enumerate(_synthetic_runs(odd)) if i % 2 == 1]
-    runs.sort(key=lambda run: run["name"])
+    # one fold's configurations measured with one set of terms, the other's with another:
+    # each fold's terms are the other fold's, and its rows are priced with them
+    first, second = (2.0, 1.5, 2e-4, 5e-4), (0.5, 3.0, 1e-4, 2e-3)
+    held = tool.deal(_synthetic_runs(first))[0]
+    runs = [a if a["name"] in held else b
+            for a, b in zip(_synthetic_runs(first), _synthetic_runs(second))]
     result = tool.evaluate(runs, DEFAULT_PROFILE)
     folds = result["summary"]["fold_layer_terms"]
-    assert [folds[0][k] for k in tool.LAYER_KEYS] == pytest.approx(odd, rel=1e-6)
-    assert [folds[1][k] for k in tool.LAYER_KEYS] == pytest.approx(even, rel=1e-6)
-    for i, row in enumerate(result["configs"]):
-        terms = odd if i % 2 == 0 else even
+    assert [folds[0][k] for k in tool.LAYER_KEYS] == pytest.approx(second, rel=1e-6)
+    assert [folds[1][k] for k in tool.LAYER_KEYS] == pytest.approx(first, rel=1e-6)
+    for row in result["configs"]:
+        terms = second if row["name"] in held else first
         for name, s in row["schedules"].items():
             if s["measured_s"] is not None:
                 shape = tool.layer_shape(row["config"])

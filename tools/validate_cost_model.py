@@ -20,8 +20,9 @@ machine, in three steps:
    whole-layer terms (the profile's "layer" entry: a factor on the collectives' time, a factor
    on the compute's, a host cost per plan step and a cost per collective call) are fitted by
    non-negative least squares, and validated by two-fold cross-validation: the grid's
-   configurations are dealt alternately into two halves, and each half is predicted by the
-   terms fitted on the other, so every configuration is held out once. For each one and each
+   configurations of each layout are dealt alternately into two halves, and each half is
+   predicted by the terms fitted on the other, so every configuration is held out once and
+   each fit sees every layout measured more than once. For each one and each
    schedule the tool prints the predicted and the measured forward + backward time, and
    whether auto's choice (the cheaper of s1 and s2 by the model) is the measured-faster of
    the two. The terms fitted on all configurations are written with the calibrated numbers
@@ -301,25 +302,39 @@ def _score(run: dict, fitted: Profile) -> dict:
     return row
 
 
+def deal(runs: list, folds: int = FOLDS) -> list:
+    """The grid configurations of each fold (sets of names): grouped by layout, in the order
+    the runs first meet each layout and configuration, and dealt alternately, so that every
+    layout measured in two or more configurations is in the fit of every fold."""
+    layout_of = {}
+    for run in runs:
+        c = run["config"]
+        layout_of.setdefault(base_name(run["name"]), (
+            c["tensor_model_parallel_size"], c["expert_model_parallel_size"],
+            c["expert_tensor_parallel_size"], c["sequence_parallel"]))
+    layouts = list(dict.fromkeys(layout_of.values()))
+    order = sorted(layout_of, key=lambda name: layouts.index(layout_of[name]))
+    return [set(order[j::folds]) for j in range(folds)]
+
+
 def evaluate(runs: list, profile: Profile, folds: int = FOLDS) -> dict:
     """Cross-validate the layer terms: the grid's configurations (with their pipelined runs)
-    are dealt into `folds` interleaved folds, and each fold is predicted and scored by the
-    terms fitted on the others, so every configuration is held out once. The profile returned
+    are dealt into `folds` folds (deal), and each fold is predicted and scored by the terms
+    fitted on the others, so every configuration is held out once. The profile returned
     carries the terms fitted on all of them."""
-    names = list(dict.fromkeys(base_name(run["name"]) for run in runs))
+    names = {base_name(run["name"]) for run in runs}
     if len(names) < folds:
         raise ValueError(f"{len(names)} configurations for {folds} folds: measure more "
                          "configurations (a larger --limit)")
     rows, fold_terms = {}, []
-    for j in range(folds):
-        held = set(names[j::folds])
-        terms = fit_plans(_samples(runs, set(names) - held), profile)
+    for held in deal(runs, folds):
+        terms = fit_plans(_samples(runs, names - held), profile)
         fold_terms.append(dict(zip(LAYER_KEYS, terms)))
         fitted = replace(profile, layer=terms)
         rows.update({run["name"]: _score(run, fitted) for run in runs
                      if base_name(run["name"]) in held})
     configs = [rows[run["name"]] for run in runs]
-    terms = fit_plans(_samples(runs, set(names)), profile)
+    terms = fit_plans(_samples(runs, names), profile)
     fitted = replace(profile, layer=terms)
 
     depths = depth_choices(configs)

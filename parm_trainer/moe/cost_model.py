@@ -45,16 +45,16 @@ plus written; calibrate_comm measures it): dispatch and combine move (n + E*c) *
 (read the tokens, write the slots, or back), the expert's activation reads and writes its
 rows * H/ESP hidden elements; backward again twice the forward. Without the entry it is not
 priced (on GPUs it is small next to the GEMMs and the links; on CPUs it is not).
-Whole layer (optional "layer" entry, fitted by tools/validate_cost_model.py on measured layers,
-held out from the configurations it validates): a step's collectives cost comm_factor times
-their isolated alpha-beta time and its compute and memory work compute_factor times theirs
-(interference: on a shared machine they slow each other down; 1 when absent), and every step
-adds host_s_per_step (framework and launch cost; backward twice), and every collective call
-(the pipeline step makes one per collective and piece) adds s_per_call, outside any overlap:
-each call is a point where ranks wait for the slowest of them, and host work of its own, which
-an isolated calibration of the call does not see. (Fitted inside the pipeline's overlap
-instead, it could not tell r = 2 from r = 4 on 8 processes per 2 cores, where more pieces
-measured up to 50 % slower.)
+Whole layer (optional "layer" entry, fitted by tools/validate_cost_model.py on measured layers
+and cross-validated there, each half of its grid predicted by terms fitted on the other): a
+step's collectives cost comm_factor times their isolated alpha-beta time and its compute and
+memory work compute_factor times theirs (interference: on a shared machine they slow each other
+down; 1 when absent), and every step adds host_s_per_step (framework and launch cost; backward
+twice), and every collective call (the pipeline step makes one per collective and piece) adds
+s_per_call, outside any overlap: each call is a point where ranks wait for the slowest of them,
+and host work of its own, which an isolated calibration of the call does not see. (Fitted
+inside the pipeline's overlap instead, it could not tell r = 2 from r = 4 on 8 processes per 2
+cores, where more pieces measured up to 50 % slower.)
 Not priced: the one-scalar all-reduce that agrees the dropless capacity.
 """
 

@@ -48,6 +48,10 @@ def _moe_group(parser):
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
                    help="Expert FFN hidden size H (default --ffn-hidden-size).")
     g.add_argument("--moe-router-topk", type=int, default=2, help="Experts per token k.")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="Routing probabilities: the softmax over all experts' logits, taken at "
+                        "the top k (default: the softmax over the top k logits). Needed for "
+                        "--moe-router-topk 1, where a softmax over one logit has no gradient.")
     g.add_argument("--moe-layer-freq", type=int, default=1,
                    help="Every n-th layer is MoE (1: all layers).")
     g.add_argument("--moe-expert-capacity-factor", type=float, default=None,

@@ -69,6 +69,9 @@ def _validate_moe(args, tp, ep, etp) -> None:
              f"--num-experts {experts} is not divisible by --expert-model-parallel-size {ep}")
     _require(1 <= args.moe_router_topk <= experts,
              f"--moe-router-topk {args.moe_router_topk} must be between 1 and --num-experts {experts}")
+    _require(args.moe_router_topk > 1 or args.moe_router_pre_softmax,
+             "--moe-router-topk 1 needs --moe-router-pre-softmax: a softmax over the one chosen "
+             "logit is 1 and gives the router no gradient")
     _require(args.moe_ffn_hidden_size % etp == 0,
              f"--moe-ffn-hidden-size {args.moe_ffn_hidden_size} is not divisible by "
              f"--expert-tensor-parallel-size {etp}")

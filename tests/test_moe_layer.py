@@ -7,7 +7,8 @@ s1, s2 and megatron-core's MoELayer; the ones that cannot run a layout must be r
 skipped with a reason. Dropless fp32 (and a few capacity-factor runs, where the reference
 counts capacity per gate call as each schedule does): output, input grad, gate grad, expert
 grads and the aux loss within 1e-5 of parm_trainer/moe/reference.py, whose values must dwarf
-that tolerance. The 2-rank launch's MP=EP=ESP=1 layout is
+that tolerance; top-1 and top-2 also with --moe-router-pre-softmax (the softmax over all logits,
+which top-1 needs). The 2-rank launch's MP=EP=ESP=1 layout is
 two independent single-rank layers, megatron's own MoELayer included: it pins the reference's
 routing, expert and aux-loss definitions (objective sum(out * grad) + coeff * aux) to megatron.
 The 4-rank launch (sizes 1, 2 and 4) also runs the pipelined exchange (--moe-parm-chunks 2 and
@@ -37,6 +38,9 @@ DIFF_KEYS = ("output", "input_grad", "gate_grad", "expert_grad", "aux_loss")
 SMALL = {"num-experts": 4, "moe-router-topk": 2, "hidden-size": 32, "moe-ffn-hidden-size": 64,
          "seq-length": 16, "micro-batch-size": 2, "moe-aux-loss-coeff": 0.1, "iters": 0,
          "warmup": 0, "schedules": ",".join(SCHEDULES)}
+
+
+PRE_SOFTMAX = {"moe-router-topk": 1, "moe-router-pre-softmax": True}
 
 
 def argv_of(flags: dict) -> list:
@@ -138,6 +142,12 @@ def test_two_ranks_every_layout_and_dump(tmp_path):
     configs = layouts(2)
     assert {c["layout"][:3] for c in configs} == {(1, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 1),
                                                    (2, 1, 2), (2, 2, 1)}
+    # --moe-router-pre-softmax (the softmax over all logits, taken at the top k): top-1, which
+    # needs it, on megatron's own single-rank MoELayer and Parm's schedules, and top-2
+    configs += [config(1, 1, 1, name="top1-pre-softmax", **PRE_SOFTMAX),
+                config(1, 2, 1, name="top1-pre-softmax-ep2", **PRE_SOFTMAX),
+                config(2, 1, 2, sp=True, name="top2-pre-softmax",
+                       **{"moe-router-pre-softmax": True})]
     dump = tmp_path / "dump"
     configs[0]["flags"]["iters"] = 1  # time one configuration (the rest only check)
     configs[0]["argv"] = argv_of(configs[0]["flags"])
@@ -149,6 +159,8 @@ def test_two_ranks_every_layout_and_dump(tmp_path):
     # The single-rank layout: megatron's own MoELayer matches the reference.
     single = runs["mp1-ep1-esp1"]["schedules"]["megatron"]
     assert single["status"] == "ok" and single["aux_loss"] > 0
+    assert runs["top1-pre-softmax"]["schedules"]["megatron"]["status"] == "ok"
+    assert runs["top1-pre-softmax"]["config"]["router"].startswith("softmax over all logits")
     assert single["forward_ms"]["max"] > 0 and single["backward_ms"]["max"] > 0
     assert single["total_ms"]["max"] > 0
     # Skips appear in the printed table with their reason too.
@@ -220,6 +232,10 @@ def test_four_ranks_every_layout_chunks_and_bytes(tmp_path):
                   "schedules": "auto,megatron-alltoall,megatron-allgather,deepspeed-ted"}),
         # Token dropping: capacity counted per gate call, as the reference does for each.
         config(2, 2, 2, name="drop", **{"moe-expert-capacity-factor": 1.0}),
+        # top-1 (pre-softmax), dropless and dropping by its probabilities, pipelined
+        config(2, 2, 2, sp=True, name="top1", **PRE_SOFTMAX),
+        config(2, 2, 2, name="top1-drop",
+               **{**PRE_SOFTMAX, "moe-expert-capacity-factor": 1.0, "moe-parm-chunks": 2}),
         config(2, 2, 2, sp=True, name="drop-sp", **{"moe-expert-capacity-factor": 1.0}),
         config(2, 2, 2, name="bytes", **BYTES_FLAGS, iters=1),
         config(2, 2, 2, sp=True, name="bytes-sp", **BYTES_FLAGS),

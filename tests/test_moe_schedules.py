@@ -96,7 +96,8 @@ def test_auto_picks_by_the_cost_model_and_says_so():
     chosen, line = _auto("--moe-router-topk", "2", "--moe-expert-capacity-factor", "1.0")
     assert chosen == "s1" and "using s1" in line and "built-in default profile" in line
     # top-1 with capacity factor 0.5: S2 gathers k*f*N*M = N*M/2, less than S1's N*M
-    chosen, line = _auto("--moe-router-topk", "1", "--moe-expert-capacity-factor", "0.5")
+    chosen, line = _auto("--moe-router-topk", "1", "--moe-router-pre-softmax",
+                         "--moe-expert-capacity-factor", "0.5")
     assert chosen == "s2", line
     assert "s1 " in line and "s2 " in line  # both predictions are logged
 

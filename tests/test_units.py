@@ -82,6 +82,7 @@ GOOD_LAYOUTS = [
      [*MOE, "--tensor-model-parallel-size", "2", "--moe-parm-schedule", "s1"], 1, 1),
     ("esp2_tp1_on_2", 2,
      [*MOE, "--expert-tensor-parallel-size", "2", "--global-batch-size", "4"], 2, 1),
+    ("top1_pre_softmax", 1, [*MOE, "--moe-router-topk", "1", "--moe-router-pre-softmax"], 1, 1),
 ]
 
 
@@ -121,6 +122,8 @@ BAD_LAYOUTS = [
      "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 2"),
     ("topk_over_experts", 1, [*MOE, "--moe-router-topk", "5"],
      "--moe-router-topk 5 must be between 1 and --num-experts 4"),
+    ("top1_without_pre_softmax", 1, [*MOE, "--moe-router-topk", "1"],
+     "--moe-router-topk 1 needs --moe-router-pre-softmax"),
     ("ep_without_experts", 2, ["--expert-model-parallel-size", "2"],
      "--expert-model-parallel-size > 1 needs --num-experts"),
     ("esp_ep_vs_world", 4, [*MOE, "--expert-model-parallel-size", "4",
@@ -267,7 +270,8 @@ def test_flops_reads_padded_vocab_from_args():
 def test_flops_moe_top1_equals_dense_plus_router():
     E, H, V, h, s, L, B = 8, 96, 512, 64, 32, 2, 4
     moe = flops_args("--num-experts", str(E), "--moe-router-topk", "1",
-                     "--moe-ffn-hidden-size", str(H), "--disable-bias-linear")
+                     "--moe-router-pre-softmax", "--moe-ffn-hidden-size", str(H),
+                     "--disable-bias-linear")
     dense = flops_args("--ffn-hidden-size", str(H))
     router = 3 * L * (2 * h * E) * (B * s)
     assert flops_per_iteration(moe, V) == flops_per_iteration(dense, V) + router
@@ -447,3 +451,22 @@ def test_every_flag_has_help():
     missing = [action.option_strings[0] for action in flags
                if not action.help or action.help == argparse.SUPPRESS or not action.help.strip()]
     assert not missing, f"flags without help: {missing}"
+
+
+@pytest.mark.parametrize("pre_softmax", [False, True], ids=["top_k_softmax", "pre_softmax"])
+def test_reference_routing_matches_megatron_core(pre_softmax):
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    from parm_trainer.moe.reference import route
+
+    logits = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    for k in (1, 2, 3):
+        if k == 1 and not pre_softmax:
+            continue  # megatron-core (and validate_layout) refuse top-1 without pre-softmax
+        probs, routing_map = route(logits, k, pre_softmax)
+        want_probs, want_map = topk_routing_with_score_function(
+            logits, k, use_pre_softmax=pre_softmax, score_function="softmax")
+        assert torch.equal(routing_map, want_map)
+        assert torch.allclose(probs, want_probs, atol=1e-7, rtol=0)
+        # pre-softmax keeps the full-softmax probabilities: they sum to less than 1
+        assert (probs.sum(dim=1) < 1 - 1e-3).all() == pre_softmax

@@ -79,7 +79,7 @@ import torch  # noqa: E402
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|is deprecated|sequence "
                                           "parallelism must be used|Disabling sequence parallel)")
 from parm_trainer.arguments import parse_args  # noqa: E402
-from parm_trainer.moe.reference import ACTIVATION, ROUTER  # noqa: E402
+from parm_trainer.moe.reference import ACTIVATION, ROUTER, ROUTER_PRE_SOFTMAX  # noqa: E402
 
 from deepspeed_peer import PeerCannotRun  # noqa: E402 (tools/; imports DeepSpeed only when used)
 
@@ -91,8 +91,9 @@ TOOL_HELP = f"""\
 bench_moe_layer: one MoE layer, forward and backward, under several schedules, each checked
 against parm_trainer/moe/reference.py, timed, and its collectives' bytes counted.
 Router:     logits = x @ gate.T; routing probabilities = {ROUTER} of each
-            token (megatron-core's default: score function "softmax", pre-softmax off);
-            dropless unless --moe-expert-capacity-factor.
+            token (megatron-core's default: score function "softmax"), or with
+            --moe-router-pre-softmax (needed for top-1) the softmax over all E logits at
+            the top k; dropless unless --moe-expert-capacity-factor.
 Activation: {ACTIVATION} (torch.nn.functional.gelu, megatron-core's default); no biases.
 Aux loss:   coeff * E / (k * T^2) * sum_e count_e * sum_t softmax(logits)[t, e] (megatron-core's
             switch load-balancing loss). fp32 only."""
@@ -344,7 +345,7 @@ class Replica:
             ref = moe_reference(x, w["gate"], w["fc1"], w["fc2"], args.moe_router_topk,
                                 aux_loss_coeff=coeff,
                                 capacity_factor=args.moe_expert_capacity_factor,
-                                gate_calls=gate_calls)
+                                gate_calls=gate_calls, pre_softmax=args.moe_router_pre_softmax)
             objective = (ref.output * self.output_grad.reshape(s * b, m)).sum()
             if coeff:
                 objective = objective + ref.aux_loss
@@ -581,9 +582,7 @@ def run_peer(name, args, replica, weights, device, dump_dir):
         diffs[key] = _max_over_ranks((got - ref[key]).abs().max().item())
         scale[key] = ref[key].abs().max().item()
     _dump_result(dump_dir, name, full_out, full_in_grad)
-    note = " (top-1: DeepSpeed weights the expert by its softmax probability over all experts," \
-        " the reference by 1)" if args.moe_router_topk == 1 else ""
-    result = {"status": "ok", "plan": f"deepspeed.moe.layer.MoE ({args.peer}){note}",
+    result = {"status": "ok", "plan": f"deepspeed.moe.layer.MoE ({args.peer})",
               "chunks": None, "auto_choice": None, "forward_ms": None, "backward_ms": None,
               "total_ms": None,
               "bytes": None, "cross_node_bytes": None, "max_abs_diff": diffs,
@@ -633,6 +632,7 @@ def _config_summary(args):
         "sequence_parallel": args.sequence_parallel,
         "num_experts": args.num_experts,
         "moe_router_topk": args.moe_router_topk,
+        "moe_router_pre_softmax": args.moe_router_pre_softmax,
         "hidden_size": args.hidden_size,
         "moe_ffn_hidden_size": args.moe_ffn_hidden_size,
         "seq_length": args.seq_length,
@@ -649,9 +649,13 @@ def _config_summary(args):
         "seed": args.seed,
         "iters": args.iters,
         "warmup": args.warmup,
-        "router": ROUTER,
+        "router": _router(args),
         "activation": ACTIVATION,
     }
+
+
+def _router(args) -> str:
+    return ROUTER_PRE_SOFTMAX if args.moe_router_pre_softmax else ROUTER
 
 
 def _trial(args, name):
@@ -703,7 +707,7 @@ def run_config(args, name=None, dump_dir=None):
             torch.save(replica.input.reshape(s * b, m).cpu(), os.path.join(dump_dir, "input.pt"))
             torch.save(replica.output_grad.reshape(s * b, m).cpu(),
                        os.path.join(dump_dir, "output_grad.pt"))
-            torch.save({**weights, "activation": ACTIVATION, "router": ROUTER},
+            torch.save({**weights, "activation": ACTIVATION, "router": _router(args)},
                        os.path.join(dump_dir, "weights.pt"))
         timed = {}
         for schedule, trial in runnable:
@@ -744,7 +748,8 @@ def format_table(run) -> str:
     head = (f"MoE layer: world {c['world_size']} ({c['device']}),"
             f" MP {c['tensor_model_parallel_size']} EP {c['expert_model_parallel_size']} ESP {c['expert_tensor_parallel_size']}"
             f" DP {c['data_parallel_size']}{' SP' if c['sequence_parallel'] else ''}; "
-            f"E {c['num_experts']} top-{c['moe_router_topk']} M {c['hidden_size']}"
+            f"E {c['num_experts']} top-{c['moe_router_topk']}"
+            f"{' pre-softmax' if c.get('moe_router_pre_softmax') else ''} M {c['hidden_size']}"
             f" H {c['moe_ffn_hidden_size']} S {c['seq_length']} B {c['micro_batch_size']}"
             f" f {c['moe_expert_capacity_factor'] or 'dropless'} chunks {c['moe_parm_chunks']}")
     if run.get("name"):

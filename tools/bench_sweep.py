@@ -43,8 +43,7 @@ ROWS = ("baseline", *PARM, *MEGATRON, "deepspeed-ep", "deepspeed-dedup", "deepsp
 KINDS = ("alltoall", "allgather", "reducescatter", "allreduce")
 
 # (world, MP, EP, ESP) and (tokens per MP group as seq x micro-batch, hidden, ffn, experts,
-# top-k, capacity factor or None). No top-1: megatron-core requires --moe-router-pre-softmax
-# for it, another router than the reference's (softmax over the top-k logits).
+# top-k, capacity factor or None).
 LAYOUTS = [(2, 2, 1, 2), (2, 2, 2, 1), (4, 2, 2, 2), (4, 2, 2, 1), (4, 4, 1, 4), (4, 1, 4, 1),
            (8, 2, 4, 2), (8, 4, 2, 4)]
 SHAPES = [((128, 4), 128, 256, 4, 2, None), ((256, 4), 256, 512, 8, 2, None),

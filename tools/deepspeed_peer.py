@@ -36,9 +36,8 @@ second expert), min_capacity=0, drop_tokens = a capacity factor was given. DeepS
 computes, on the tokens of the gate call (all the tokens of an MP group: dedup and ted see the
 full replica, ep each rank's own), with gates = softmax over ALL E logits:
   k=1 (top1gating): expert = argmax; the output is weighted by gates[t, e] (the full-softmax
-      probability, Switch Transformer) - NOT equal to reference.py, whose weight is the softmax
-      over the single top logit, i.e. 1. DeepSpeed's output = p_e(t) * expert_e(x_t); a k=1
-      difference to the reference is this definition, not a bug.
+      probability, Switch Transformer) - EQUAL to reference.py with pre_softmax, which top-1
+      needs (--moe-router-pre-softmax, as megatron-core requires).
   k=2 (top2gating): experts = the two largest logits, weights gates_e / (gates_e1 + gates_e2)
       = exp(l_e) / (exp(l_e1) + exp(l_e2)) - EQUAL to reference.py's softmax over the top-2
       logits (up to float rounding; ties broken by argmax instead of topk).
@@ -368,17 +367,16 @@ CHECK_LAYOUTS = [("MP2 EP2 ESP2", 2, 2, 2, False, 1234, MODES),
                  ("MP1 EP2 ESP1", 1, 2, 1, False, 1234, ("ep",))]
 
 
-def _deepspeed_definition(replica, k):
-    """What DeepSpeed computes where it differs from reference.py (module docstring): for k=1
-    the reference output times each token's full-softmax probability of its expert; for k=2
-    the GShard aux loss E * sum_e mean_t(scores_e) * (first-choice count_e / T)."""
+def _deepspeed_aux(replica, k):
+    """DeepSpeed's aux loss where it differs from reference.py's (module docstring): for k=2
+    the GShard aux loss E * sum_e mean_t(scores_e) * (first-choice count_e / T); else None."""
+    if k != 2:
+        return None
     s, b, m = replica.input.shape
     x, gate = replica.input.reshape(s * b, m), replica.weights["gate"]
     scores = torch.softmax(x @ gate.t(), dim=-1)
-    if k == 1:
-        return "out", scores.max(dim=1).values.view(s, b, 1)
     first = torch.nn.functional.one_hot(scores.argmax(dim=1), gate.shape[0]).float()
-    return "aux", gate.shape[0] * (scores.mean(dim=0) * first.mean(dim=0)).sum()
+    return gate.shape[0] * (scores.mean(dim=0) * first.mean(dim=0)).sum()
 
 
 def _grad_diffs(layer, ref):
@@ -423,13 +421,15 @@ def check() -> int:
                                   "--moe-router-topk", str(k), "--seed", str(seed)]
             if sp:
                 argv.append("--sequence-parallel")
+            if k == 1:
+                argv.append("--moe-router-pre-softmax")
             args = bench.parse(argv, world_size=world)
             validate_layout(args)
             bench.set_layout(args)
             weights = bench.full_weights(args)
             replica = bench.Replica(args, weights, device)
             ref = replica.reference(1)
-            what, want = _deepspeed_definition(replica, k)
+            gshard = _deepspeed_aux(replica, k)
             for mode in modes:
                 head = f"{label:15s} top-{k} {mode:5s}"
                 try:
@@ -445,14 +445,12 @@ def check() -> int:
                          (bench._gather_mp(x.grad, sp) - ref["input_grad"]).abs().max().item(),
                          *_grad_diffs(layer, ref),
                          (aux.detach() - ref["aux_loss"]).abs().item()]
-                if what == "out":
-                    diffs.append((full_out - ref["output"] * want).abs().max().item())
-                else:
-                    diffs.append((aux.detach() - want).abs().item())
+                if gshard is not None:
+                    diffs.append((aux.detach() - gshard).abs().item())
                 diffs = [bench._max_over_ranks(v) for v in diffs]
                 lines.append(f"{head} out {diffs[0]:.1e}  in_grad {diffs[1]:.1e}  gate_grad "
-                             f"{diffs[2]:.1e}  expert_grad {diffs[3]:.1e}  aux {diffs[4]:.1e}  "
-                             f"[ds-def {what} {diffs[5]:.1e}]")
+                             f"{diffs[2]:.1e}  expert_grad {diffs[3]:.1e}  aux {diffs[4]:.1e}"
+                             + (f"  [ds-def aux {diffs[5]:.1e}]" if gshard is not None else ""))
         lines.append(f"{'':15s} reference max abs: out {ref['output'].abs().max().item():.1e}, "
                      f"in_grad {ref['input_grad'].abs().max().item():.1e}, aux "
                      f"{ref['aux_loss'].item():.3f} (top-1)")

@@ -18,6 +18,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
             num_moe_experts=args.num_experts,
             moe_ffn_hidden_size=args.moe_ffn_hidden_size,
             moe_router_topk=args.moe_router_topk,
+            moe_router_pre_softmax=args.moe_router_pre_softmax,
             moe_layer_freq=args.moe_layer_freq,
             moe_expert_capacity_factor=args.moe_expert_capacity_factor,
             moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,

@@ -8,10 +8,12 @@ schedule (baseline, s1, s2) and megatron-core's own MoELayer are checked against
 Shapes: x (T, M) tokens (sequence-major rows of an [S, B, M] activation), gate (E, M),
 fc1 (E, H, M), fc2 (E, M, H). No biases.
 
-Routing (megatron-core's default: score function "softmax", pre-softmax off):
+Routing (megatron-core's score function "softmax"):
     logits = x @ gate.T                                           (T, E)
     the k largest logits of each token pick its experts;
-    probs  = softmax over those k logits (the other experts get probability 0).
+    probs  = softmax over those k logits (the other experts get probability 0); with
+             pre_softmax (--moe-router-pre-softmax, which top-1 needs: a softmax over one
+             logit is 1 and has no gradient), the softmax over all E logits, kept at the k.
 Capacity (optional, megatron-core's formula and "probs" drop policy): a gate call on n tokens
 gives every expert C = ceil((n * k / E) * f) slots; if C < n, expert e keeps the C tokens with
 the largest probs[:, e] and drops the rest of its tokens. `gate_calls` cuts the T tokens into
@@ -44,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 ROUTER = "softmax over the top-k logits"
+ROUTER_PRE_SOFTMAX = "softmax over all logits, taken at the top-k"
 ACTIVATION = "gelu"
 
 
@@ -62,10 +65,15 @@ def capacity(num_tokens: int, num_experts: int, topk: int, capacity_factor: floa
     return math.ceil((num_tokens * topk / num_experts) * capacity_factor)
 
 
-def route(logits: torch.Tensor, topk: int):
-    """(probs (T, E), routing_map (T, E) bool): softmax over each token's top-k logits."""
-    top_logits, top_index = torch.topk(logits, k=topk, dim=1)
-    top_probs = torch.softmax(top_logits, dim=-1, dtype=torch.float32).to(logits.dtype)
+def route(logits: torch.Tensor, topk: int, pre_softmax: bool = False):
+    """(probs (T, E), routing_map (T, E) bool): softmax over each token's top-k logits, or
+    with pre_softmax the softmax over all its logits at its top k."""
+    if pre_softmax:
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32).to(logits.dtype)
+        top_probs, top_index = torch.topk(scores, k=topk, dim=1)
+    else:
+        top_logits, top_index = torch.topk(logits, k=topk, dim=1)
+        top_probs = torch.softmax(top_logits, dim=-1, dtype=torch.float32).to(logits.dtype)
     probs = torch.zeros_like(logits).scatter(1, top_index, top_probs)
     routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_index, True)
     return probs, routing_map
@@ -108,7 +116,7 @@ def expert_forward(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,
 def moe_reference(x: torch.Tensor, gate: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,
                   topk: int, aux_loss_coeff: float = 0.0,
                   capacity_factor: Optional[float] = None, gate_calls: int = 1,
-                  activation: Callable = F.gelu) -> ReferenceResult:
+                  activation: Callable = F.gelu, pre_softmax: bool = False) -> ReferenceResult:
     """The MoE layer of the module docstring on tokens x (T, M); differentiable in every
     tensor argument."""
     tokens, hidden = x.shape
@@ -116,7 +124,7 @@ def moe_reference(x: torch.Tensor, gate: torch.Tensor, fc1: torch.Tensor, fc2: t
     if fc1.shape[0] != experts or fc2.shape[0] != experts:
         raise ValueError("gate, fc1 and fc2 must agree on the number of experts")
     logits = x @ gate.t()
-    probs, routing_map = route(logits, topk)
+    probs, routing_map = route(logits, topk, pre_softmax)
     if capacity_factor is not None:
         probs, routing_map = drop_over_capacity(probs, routing_map, topk, capacity_factor,
                                                 gate_calls)

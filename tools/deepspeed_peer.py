@@ -50,9 +50,10 @@ Aux loss (DeepSpeed's l_aux, before any coefficient; me = mean_t gates, ce = mea
 Capacity (drop_tokens): C = max(ceil(T / E * (f * k)), 0) - reference.py's expression in another
 operation order - but the tokens dropped are not reference.py's "probs" policy: k=1 keeps an
 arbitrary C of an expert's tokens (torch.topk over a 0/1 mask), k=2 drops by position (first
-choices first), k>2 keeps the largest un-normalised full-softmax gates. (For k=1 both pick with
-torch.topk over equal values, so they agree in practice.) With a capacity factor
-that drops tokens, differences to the reference are definitional. Dropless (no factor):
+choices first), k>2 keeps the largest un-normalised full-softmax gates; the reference keeps each
+expert's C most probable tokens (at k=1 its pre-softmax probabilities differ from token to
+token). With a capacity factor that drops tokens, differences to the reference are
+definitional. Dropless (no factor):
 drop_tokens=False, C = the largest expert load (max over the EP group), nothing dropped.
 
 Gradients, for whoever compares them: the gate is replicated on the MP ranks and every MP rank

@@ -148,13 +148,19 @@ def test_two_ranks_every_layout_and_dump(tmp_path):
                 config(1, 2, 1, name="top1-pre-softmax-ep2", **PRE_SOFTMAX),
                 config(2, 1, 2, sp=True, name="top2-pre-softmax",
                        **{"moe-router-pre-softmax": True})]
+    # a configuration no schedule can run is reported, table and all, and the launch goes on
+    refused = config(1, 1, 1, name="top1-refused", **{"moe-router-topk": 1})
     dump = tmp_path / "dump"
     configs[0]["flags"]["iters"] = 1  # time one configuration (the rest only check)
     configs[0]["argv"] = argv_of(configs[0]["flags"])
-    runs, stdout = run_launch(2, configs, tmp_path, dump=dump)
+    runs, stdout = run_launch(2, [*configs[:-1], refused, configs[-1]], tmp_path, dump=dump)
     problems, checked = check_correct(configs, runs)
     assert not problems, "\n".join(problems)
     assert checked >= 20
+    for result in runs["top1-refused"]["schedules"].values():
+        assert result["status"] == "skipped", result
+        assert "--moe-router-topk 1 needs --moe-router-pre-softmax" in result["reason"]
+    assert "skipped: --moe-router-topk 1 needs --moe-router-pre-softmax" in stdout
 
     # The single-rank layout: megatron's own MoELayer matches the reference.
     single = runs["mp1-ep1-esp1"]["schedules"]["megatron"]

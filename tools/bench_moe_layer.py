@@ -783,7 +783,8 @@ def format_table(run) -> str:
                      _fmt(r["link_floor_ms"], ".1f"),
                      _fmt(r["link_floor_ms"] and _total_ms(r) / r["link_floor_ms"], ".2f"),
                      *(_fmt(d[k], ".1e") for k in DIFF_KEYS)))
-    widths = [max(len(cols[i]), *(len(row[i]) for row in rows if len(row) == len(cols)))
+    widths = [max([len(cols[i])] + [len(row[i]) for row in rows
+                                     if len(row) == len(cols) or i == 0])
               for i in range(len(cols))]
     lines = [head, "  ".join(col.ljust(w) for col, w in zip(cols, widths))]
     for row in rows:

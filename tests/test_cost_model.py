@@ -207,8 +207,10 @@ def test_group_placement():
     assert remote_share(3, 1, 8) > 0  # groups of 3 straddle the node boundary at rank 8
     shape = LayerShape(tokens=8, hidden=8, ffn=8, experts=4, topk=1, capacity_factor=1.0,
                        mp=8, ep=4, esp=8)
-    assert DEFAULT_PROFILE.link(shape, "ep") == "inter"
-    assert DEFAULT_PROFILE.link(shape, "esp") == DEFAULT_PROFILE.link(shape, "mp") == "intra"
+    ring = DEFAULT_PROFILE.collectives["allgather"]
+    assert DEFAULT_PROFILE.price("allgather", shape, "ep") == ring["inter"]
+    assert DEFAULT_PROFILE.price("allgather", shape, "esp") == \
+        DEFAULT_PROFILE.price("allgather", shape, "mp") == ring["intra"]
     # the share of a member's peers on other nodes, counted member by member
     assert remote_share(4, 8, 8) == 1.0 and remote_share(8, 1, 8) == 0.0
     assert remote_share(4, 1, 2) == pytest.approx(2 / 3)  # 2 nodes of 2: 2 of 3 peers remote

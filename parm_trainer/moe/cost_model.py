@@ -163,13 +163,6 @@ class Profile:
     # together. The pipeline's arrivals (pipeline_s) depend on it.
     lanes: int = 1
 
-    def remote_share(self, shape: LayerShape, group: str) -> float:
-        """remote_share of the layer's `group` on this profile's nodes."""
-        return remote_share(*shape.group(group), self.gpus_per_node)
-
-    def link(self, shape: LayerShape, group: str) -> str:
-        return "inter" if self.remote_share(shape, group) > 0 else "intra"
-
     def price(self, kind: str, shape: LayerShape, group: str) -> tuple:
         """(alpha s, beta s per byte sent) of collective `kind` on the layer's `group`. An
         AlltoAll across nodes sends only the blocks of its remote peers over the network,
@@ -177,7 +170,7 @@ class Profile:
         (per byte that crosses, as calibrate_comm fits it) is scaled by the remote share of
         the peers. A ring collective runs at its slowest hop, so all its bytes pay the
         inter-node rate."""
-        share = self.remote_share(shape, group)
+        share = remote_share(*shape.group(group), self.gpus_per_node)
         alpha, beta = self.collectives[kind]["inter" if share > 0 else "intra"]
         return alpha, beta * share if kind == "alltoall" and share > 0 else beta
 

@@ -73,6 +73,12 @@ def _moe_group(parser):
                         "(gate on all tokens, split the capacity), auto (the cheaper of the two "
                         "by the cost model, chosen at start-up), the DeepSpeed-style baseline, "
                         "or megatron-core's own dispatcher.")
+    g.add_argument("--moe-parm-exchange", choices=["exact", "padded"], default="exact",
+                   help="s1's and s2's expert exchange: exact (each token sent once to each EP "
+                        "rank holding one of its experts, in AlltoAlls of exact counts, its "
+                        "outputs summed there and sent back as one row) or padded (the "
+                        "dispatched (E, C, M) layout, every expert padded to the capacity; also "
+                        "chosen by --moe-pad-expert-input-to-capacity).")
     g.add_argument("--moe-parm-cost-profile", default=None,
                    help="Cluster cost profile (JSON) for --moe-parm-schedule auto; default: a "
                         "built-in A100 profile (assumed numbers).")

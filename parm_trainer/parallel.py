@@ -92,7 +92,14 @@ def _validate_moe(args, tp, ep, etp) -> None:
         _require(args.seq_length % tp == 0,
                  f"--moe-parm-schedule s1 splits tokens over MP: --seq-length {args.seq_length} "
                  f"is not divisible by --tensor-model-parallel-size {tp}")
-    if schedule == "s2" and args.moe_expert_capacity_factor is not None:
+    if schedule == "s2" and getattr(args, "moe_parm_exchange", "padded") == "exact" \
+            and not args.moe_pad_expert_input_to_capacity:
+        tokens = args.seq_length * args.micro_batch_size
+        _require(tokens % tp == 0,
+                 f"--moe-parm-schedule s2 splits the tokens over MP: {tokens} tokens "
+                 f"(--seq-length x --micro-batch-size) are not divisible by "
+                 f"--tensor-model-parallel-size {tp}")
+    elif schedule == "s2" and args.moe_expert_capacity_factor is not None:
         tokens = args.seq_length * args.micro_batch_size
         capacity = math.ceil(tokens * args.moe_router_topk * args.moe_expert_capacity_factor
                              / experts)

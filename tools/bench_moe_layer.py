@@ -282,7 +282,7 @@ def build_layer(name, config, args):
         layer = MoELayer(config, spec.submodules, layer_number=1)
     else:
         layer = ParmMoELayer(config, spec.submodules, layer_number=1, schedule=name,
-                             chunks=args.moe_parm_chunks)
+                             chunks=args.moe_parm_chunks, exchange=args.moe_parm_exchange)
     layer.set_layer_number(1)  # as TransformerLayer does; the router tracks its aux loss by it
     return layer
 

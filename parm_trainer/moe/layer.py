@@ -1,10 +1,17 @@
 """ParmMoELayer: megatron-core's router and expert modules, run through a Parm schedule.
 
 megatron-core's MoELayer fixes where the gate sits relative to the MP split; Parm moves it, so
-this layer owns the whole forward and executes a Plan (schedules.py) step by step. Tokens are
-dispatched into the fixed (E, C, M) layout of PARM.md: C is the capacity of one gate call
-(from --moe-expert-capacity-factor, or, dropless, the largest expert load in the pipeline
-stage, agreed with one scalar all-reduce). Routing probabilities are applied in the combine.
+this layer owns the whole forward and executes a Plan (schedules.py) step by step.
+
+s1's and s2's expert exchange is exact by default (exchange.py): each token crosses to each
+EP rank once, in AlltoAlls of exact counts, and comes back summed over that rank's experts;
+dispatch then only marks the kept (token, expert) pairs, s2's split_capacity keeps this MP
+rank's block of the tokens, and the exchange itself adds the rows into their tokens (the
+combine step has nothing left to do). With --moe-parm-exchange padded (or
+--moe-pad-expert-input-to-capacity), and always for the baseline, tokens are dispatched into
+the fixed (E, C, M) layout of PARM.md: C is the capacity of one gate call (from
+--moe-expert-capacity-factor, or, dropless, the largest expert load in the pipeline stage,
+agreed with one scalar all-reduce), and the routing probabilities are applied in the combine.
 """
 
 from __future__ import annotations
@@ -20,8 +27,12 @@ from megatron.core.transformer.moe.moe_utils import get_capacity, router_gating_
 from megatron.core.transformer.spec_utils import build_module
 
 from parm_trainer.moe import comm
+from parm_trainer.moe.exchange import Routed, exchange, route
 from parm_trainer.moe.schedules import build_plan
 from parm_trainer.parallel import consecutive_subgroup
+
+EXCHANGES = ("exact", "padded")
+
 
 def _stage_group():
     """All ranks of this pipeline stage: the dropless capacity is agreed over them."""
@@ -40,11 +51,16 @@ class _Routing:
 
 class ParmMoELayer(MegatronModule):
     def __init__(self, config, submodules=None, layer_number: Optional[int] = None,
-                 pg_collection=None, schedule: str = "s1", chunks: int = 1):
+                 pg_collection=None, schedule: str = "s1", chunks: int = 1,
+                 exchange: str = "exact"):
         super().__init__(config=config)
         self.layer_number = layer_number
         self.plan = build_plan(schedule, config.sequence_parallel)
         self.chunks = chunks
+        if exchange not in EXCHANGES:
+            raise ValueError(f"--moe-parm-exchange {exchange!r}: choose one of {EXCHANGES}")
+        self.exact = (exchange == "exact" and schedule != "baseline"
+                      and not config.moe_pad_expert_input_to_capacity)
         self.groups = {"mp": parallel_state.get_tensor_model_parallel_group(),
                        "ep": parallel_state.get_expert_model_parallel_group(),
                        "esp": parallel_state.get_expert_tensor_parallel_group()}
@@ -95,9 +111,13 @@ class ParmMoELayer(MegatronModule):
         return capacity
 
     def _dispatch(self, tokens, probs, routing_map):
+        if self.exact and self.config.moe_expert_capacity_factor is None:  # dropless
+            return route(tokens, probs, routing_map), None
         capacity = self._capacity(routing_map)
         position = torch.cumsum(routing_map.to(torch.int64), dim=0) - 1
         keep = routing_map & (position < capacity)
+        if self.exact:
+            return route(tokens, probs, keep), None
         token_index, expert_index = keep.nonzero(as_tuple=True)
         slot = expert_index * capacity + position[token_index, expert_index]
         dispatched = tokens.new_zeros(self.num_experts * capacity, tokens.shape[-1])
@@ -165,6 +185,8 @@ class ParmMoELayer(MegatronModule):
                 probs, routing_map = self._gate(x, seq_shape, split=step.group == "mp")
             elif op == "dispatch":
                 x, routing = self._dispatch(x, probs, routing_map)
+            elif op == "split_capacity" and self.exact:  # this MP rank's block of tokens
+                x = x.split(groups["mp"], "mp")
             elif op == "split_capacity":
                 x = comm.split(x, groups["mp"], "mp", dim=1)
             elif op == "a2a":
@@ -176,7 +198,11 @@ class ParmMoELayer(MegatronModule):
             elif op == "expert":
                 x = self._expert(x)
             elif op == "pipeline":
-                x = self._pipeline(x, gather_mp="mp" in step.group.split(","))
+                gather_mp = "mp" in step.group.split(",")
+                x = (exchange(self, x, gather_mp) if isinstance(x, Routed)
+                     else self._pipeline(x, gather_mp))
+            elif op == "combine" and self.exact:
+                pass  # the exact exchange added every row into its token already
             elif op == "combine":
                 x = self._combine(x, routing)
             else:

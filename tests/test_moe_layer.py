@@ -14,7 +14,9 @@ routing, expert and aux-loss definitions (objective sum(out * grad) + coeff * au
 The 4-rank launch (sizes 1, 2 and 4) also runs the pipelined exchange (--moe-parm-chunks 2 and
 4) on every layout, and
 checks Parm's byte volumes at a fixed padded capacity against numbers computed here from the
-formulas of PARM.md and comm.py.
+formulas of PARM.md and comm.py, and the exact exchange's bytes (the default) per rank and
+direction against the unique payload counted here from the routing of every rank's tokens.
+Top-1 to top-4, dropless and with a capacity factor, run on the exact and the padded exchange.
 
     .venv/bin/python -m pytest tests/test_moe_layer.py -q
 """
@@ -221,6 +223,51 @@ def expected_forward_bytes(schedule, mp, ep, esp, sp, n, m, e, k, f):
     return out, cap, cap_s1
 
 
+EXACT_BYTES = {"exact-bytes-sp": ((2, 2, 2, True), {"moe-parm-chunks": 2}),
+               "exact-bytes-ep4": ((1, 4, 1, False), {"moe-router-topk": 3, "num-experts": 8,
+                                                      "moe-parm-chunks": 4})}
+
+
+def check_exact_bytes(run, dump, mp, ep, esp, topk, world=4):
+    """The exact exchange's AlltoAll bytes on every rank, each direction and phase, equal the
+    unique payload counted from the routing: each token once to each other EP rank holding
+    one of its experts, hidden + E/EP weights wide, and one row of hidden back. The ESP
+    AllGather (s1 under SP: the only allgather) sends every row the rank received, incl. its
+    own, to each other ESP rank. Megatron's rank order: MP innermost for the dense layout;
+    ESP, then EP, then expert-DP for the experts."""
+    from parm_trainer.moe.reference import route
+
+    gate = torch.load(dump / "weights.pt")["gate"]
+    experts, hidden = gate.shape
+    local = experts // ep
+    mine = {}  # rank -> routing map (tokens, E) of the tokens it gates and sends
+    for d in range(world // mp):
+        _, routing = route(torch.load(dump / f"input_dp{d}.pt") @ gate.t(), topk)
+        for g, block in enumerate(routing.chunk(mp)):
+            mine[d * mp + g] = block
+    ep_of = lambda r: (r // esp) % ep  # noqa: E731
+    peer = lambda r, j: r + (j - ep_of(r)) * esp  # noqa: E731  the rank of EP index j
+    rows = {(r, j): int(mine[r][:, j * local:(j + 1) * local].any(dim=1).sum())
+            for r in range(world) for j in range(ep)}
+    assert sum(rows.values()) > world * 4  # something crosses
+    for schedule in ("s1", "s2"):
+        sent, received = run["schedules"][schedule]["bytes"], \
+            run["schedules"][schedule]["bytes_received"]
+        for r in range(world):
+            out = sum(rows[r, j] for j in range(ep) if j != ep_of(r))
+            into = sum(rows[peer(r, j), ep_of(r)] for j in range(ep) if j != ep_of(r))
+            fwd_sent = 4 * (out * (hidden + local) + into * hidden)
+            fwd_received = 4 * (into * (hidden + local) + out * hidden)
+            want = {("forward", "sent"): fwd_sent, ("forward", "received"): fwd_received,
+                    ("backward", "sent"): fwd_received, ("backward", "received"): fwd_sent}
+            for (phase, way), value in want.items():
+                got = (sent if way == "sent" else received)[phase]["alltoall"][r]
+                assert got == value, (run["name"], schedule, r, phase, way, got, value)
+            if schedule == "s1" and mp > 1 and esp > 1:
+                held = sum(rows[peer(r, j), ep_of(r)] for j in range(ep))
+                assert sent["forward"]["allgather"][r] == 4 * held * (hidden + local) * (esp - 1)
+
+
 def test_four_ranks_every_layout_chunks_and_bytes(tmp_path):
     configs = layouts(4, sizes=(1, 2, 4))
     two = {c["layout"][:3] for c in configs if max(c["layout"][:3]) <= 2}
@@ -247,8 +294,26 @@ def test_four_ranks_every_layout_chunks_and_bytes(tmp_path):
         config(2, 2, 2, sp=True, name="bytes-sp", **BYTES_FLAGS),
         config(2, 2, 2, name="bytes-chunks2",
                **{**BYTES_FLAGS, "moe-parm-chunks": 2, "schedules": "s1,s2"}),
+        # top-3 and top-4, dropless and dropping, exact and padded, pipelined
+        config(2, 2, 2, sp=True, name="top3-chunks4",
+               **{"moe-router-topk": 3, "moe-parm-chunks": 4, "schedules": "s1,s2"}),
+        config(2, 2, 2, name="top4-drop-chunks2",
+               **{"moe-router-topk": 4, "moe-expert-capacity-factor": 1.0, "moe-parm-chunks": 2}),
+        config(1, 4, 1, name="top3-ep4-drop",
+               **{"moe-router-topk": 3, "num-experts": 8, "moe-expert-capacity-factor": 1.5}),
+        *[config(*layout, name=f"padded-{name}",
+                 **{"moe-parm-exchange": "padded", "moe-parm-chunks": r, "schedules": "s1,s2",
+                    **extra})
+          for layout, name, r, extra in (((2, 2, 2, True), "sp-chunks2", 2, {}),
+                                         ((2, 2, 2, False), "drop", 1,
+                                          {"moe-expert-capacity-factor": 1.0}),
+                                         ((1, 4, 1, False), "top3-chunks4", 4,
+                                          {"moe-router-topk": 3}))],
+        # the exact exchange's bytes against the routing (EXACT_BYTES)
+        *[config(*layout, name=name, **{"schedules": "s1,s2", **extra})
+          for name, (layout, extra) in EXACT_BYTES.items()],
     ]
-    runs, _ = run_launch(4, configs, tmp_path)
+    runs, _ = run_launch(4, configs, tmp_path, dump=tmp_path / "dump")
     problems, checked = check_correct(configs, runs)
     assert not problems, "\n".join(problems)
     assert checked >= 80
@@ -276,6 +341,9 @@ def test_four_ranks_every_layout_chunks_and_bytes(tmp_path):
             assert base == 2 * (2 * (e * 64 * m * 4) // 2)
             for schedule in ("s1", "s2"):
                 assert 2 * sum(a2a[schedule][r] for r in group) == base, (name, schedule)
+    for name, (layout, extra) in EXACT_BYTES.items():
+        check_exact_bytes(runs[name], tmp_path / "dump" / name, *layout[:3],
+                          topk=extra.get("moe-router-topk", 2))
     auto = runs["peers-auto"]["schedules"]["auto"]
     assert auto["auto_choice"].startswith("--moe-parm-schedule auto and --moe-parm-chunks 0")
     assert auto["plan"].split(":")[0] in ("s1", "s2") and auto["chunks"] in (1, 2, 4, 8)
@@ -300,10 +368,17 @@ def test_eight_ranks(tmp_path):
                config(2, 4, 2), config(2, 4, 2, sp=True),
                config(4, 2, 4, name="mp4-chunks3-sp", sp=True,
                       **{"moe-parm-chunks": 3, "schedules": "s1,s2"})]
+    # the exact exchange at depths 1, 2 and 4, top-1 to top-4, dropless and dropping
+    configs += [config(2, 4, 2, sp=True, name=f"top{k}-r{r}{'-drop' if f else ''}",
+                       **{"num-experts": 8, "moe-router-topk": k, "moe-parm-chunks": r,
+                          "moe-expert-capacity-factor": f, "schedules": "s1,s2",
+                          **(PRE_SOFTMAX if k == 1 else {})})
+                for k, r, f in ((1, 4, None), (2, 2, 1.0), (3, 1, None), (4, 4, 1.25),
+                                (4, 2, None))]
     runs, _ = run_launch(8, configs, tmp_path, timeout=300)
     problems, checked = check_correct(configs, runs)
     assert not problems, "\n".join(problems)
-    assert checked >= 18
+    assert checked >= 28
     assert runs["mp2-ep2-esp2"]["config"]["data_parallel_size"] == 4
 
 

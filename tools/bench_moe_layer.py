@@ -409,10 +409,45 @@ def _clear_tracker():
     tracker.pop("load_balancing_loss", None)
 
 
-def _ledger_snapshot():
+def _ledger_snapshot(field="sent"):
     from parm_trainer.moe.comm import LEDGER
 
-    return {key: row["sent"] for key, row in LEDGER.totals(per_phase=True).items()}
+    return {key: row[field] for key, row in LEDGER.totals(per_phase=True).items()}
+
+
+def _unique_payload(args, replica, weights) -> dict:
+    """{node: bytes} this rank's tokens make leave each node at the least, from the routing
+    itself: each of its tokens (its 1/MP block of the replica's, as s1 splits them) once to
+    every other node holding one of its experts (EP ranks of this rank's EP group), hidden x
+    4 bytes plus 4 bytes per routing weight that travels, out and back, forward and backward.
+    A token's outbound payload and the backward's gradient of its return leave its own node;
+    the return and the gradient of the payload leave the expert's node."""
+    from megatron.core import parallel_state
+
+    from parm_trainer.moe.reference import drop_over_capacity, route
+
+    hidden, experts, k = args.hidden_size, args.num_experts, args.moe_router_topk
+    mp = parallel_state.get_tensor_model_parallel_world_size()
+    x = replica.input.reshape(-1, hidden).cpu()
+    probs, routing = route(x @ weights["gate"].t(), k, args.moe_router_pre_softmax)
+    if args.moe_expert_capacity_factor is not None:
+        _, routing = drop_over_capacity(probs, routing, k, args.moe_expert_capacity_factor, mp)
+    mine = routing.chunk(mp)[parallel_state.get_tensor_model_parallel_rank()]
+    ep_ranks = torch.distributed.get_process_group_ranks(
+        parallel_state.get_expert_model_parallel_group())
+    local = experts // len(ep_ranks)
+    node_experts = {}
+    for d, rank in enumerate(ep_ranks):
+        node_experts.setdefault(_node_of(rank), []).extend(range(d * local, (d + 1) * local))
+    home, out = _node_of(torch.distributed.get_rank()), {}
+    for node, held in node_experts.items():
+        if node == home:
+            continue
+        hits = mine[:, held]
+        each = int(hits.any(dim=1).sum()) * 2 * hidden * 4 + int(hits.sum()) * 4
+        out[home] = out.get(home, 0) + each
+        out[node] = out.get(node, 0) + each
+    return out
 
 
 def _bytes_report(per_rank):
@@ -489,6 +524,7 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
     LEDGER.reset()
     x, out, _, _ = step()
     bytes_local = _ledger_snapshot()
+    received_local = _ledger_snapshot("received")
     aux = _tracked_aux(device)
     ref = replica.reference(_gate_calls(args.moe_parm_schedule, args))
 
@@ -536,6 +572,8 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
 
     ledger = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(ledger, bytes_local)
+    received = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(received, received_local)
     cross = [0] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(
         cross, _cross_node_bytes(bytes_local, layer.groups) if hasattr(layer, "groups") else None)
@@ -549,6 +587,8 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
         "backward_ms": None,
         "total_ms": None,
         "bytes": None if args.moe_parm_schedule == "megatron" else _bytes_report(ledger),
+        "bytes_received": None if args.moe_parm_schedule == "megatron" else
+                          _bytes_report(received),
         # the busiest node's outgoing bytes (forward + backward) and their time on its link
         "cross_node_bytes": None if None in cross else _busiest_node(cross),
         "max_abs_diff": diffs,
@@ -709,6 +749,18 @@ def run_config(args, name=None, dump_dir=None):
                        os.path.join(dump_dir, "output_grad.pt"))
             torch.save({**weights, "activation": ACTIVATION, "router": _router(args)},
                        os.path.join(dump_dir, "weights.pt"))
+            dp = torch.distributed.get_world_size() // args.tensor_model_parallel_size
+            for d in range(dp):  # every replica's input, for checks that need all ranks' tokens
+                torch.save(replica_data(args, d)[0].reshape(s * b, m),
+                           os.path.join(dump_dir, f"input_dp{d}.pt"))
+        unique = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(unique, _unique_payload(runnable[0][1], replica,
+                                                                    weights))
+        nodes = {}
+        for per_node in unique:
+            for node, nbytes in per_node.items():
+                nodes[node] = nodes.get(node, 0) + nbytes
+        unique_bytes = max(nodes.values(), default=0)
         timed = {}
         for schedule, trial in runnable:
             runner = run_peer if trial.peer else run_schedule
@@ -718,6 +770,8 @@ def run_config(args, name=None, dump_dir=None):
                 results[schedule] = {"status": "skipped", "reason": str(error)}
         time_schedules(timed, args)
         results.update({schedule: result for schedule, (result, _) in timed.items()})
+    else:
+        unique_bytes = None
     ordered = {s: results[s] for s in args.schedule_list}
     base = ordered.get(args.ratio_to, {})
     base_total = _total_ms(base)
@@ -728,7 +782,10 @@ def run_config(args, name=None, dump_dir=None):
         cross = result.get("cross_node_bytes")
         result["link_floor_ms"] = (cross / args.link_bytes_per_s * 1e3
                                    if cross and args.link_bytes_per_s else None)
-    return {"name": name, "config": _config_summary(args), "schedules": ordered}
+    unique_ms = (unique_bytes / args.link_bytes_per_s * 1e3
+                 if unique_bytes and args.link_bytes_per_s else None)
+    return {"name": name, "config": _config_summary(args), "schedules": ordered,
+            "unique_payload_bytes": unique_bytes, "unique_payload_floor_ms": unique_ms}
 
 
 def _total_ms(result):
@@ -745,6 +802,7 @@ def _fmt(value, spec):
 
 def format_table(run) -> str:
     c = run["config"]
+    unique_ms = run.get("unique_payload_floor_ms")
     head = (f"MoE layer: world {c['world_size']} ({c['device']}),"
             f" MP {c['tensor_model_parallel_size']} EP {c['expert_model_parallel_size']} ESP {c['expert_tensor_parallel_size']}"
             f" DP {c['data_parallel_size']}{' SP' if c['sequence_parallel'] else ''}; "
@@ -755,7 +813,7 @@ def format_table(run) -> str:
     if run.get("name"):
         head = f"[{run['name']}] " + head
     cols = ("schedule", "fwd ms r0/max", "bwd ms r0/max", "fwd+bwd ms", "ratio", "a2a KiB", "ag KiB",
-            "rs KiB", "ar KiB", "node KiB", "floor ms", "x floor", "d out", "d in-grad",
+            "rs KiB", "ar KiB", "node KiB", "floor ms", "x floor", "x uniq", "d out", "d in-grad",
             "d gate", "d expert", "d aux")
     rows = []
     for name, r in run["schedules"].items():
@@ -782,6 +840,7 @@ def format_table(run) -> str:
                      _fmt(r["cross_node_bytes"] and r["cross_node_bytes"] / 1024, ".1f"),
                      _fmt(r["link_floor_ms"], ".1f"),
                      _fmt(r["link_floor_ms"] and _total_ms(r) / r["link_floor_ms"], ".2f"),
+                     _fmt(unique_ms and _total_ms(r) / unique_ms, ".2f"),
                      *(_fmt(d[k], ".1e") for k in DIFF_KEYS)))
     widths = [max([len(cols[i])] + [len(row[i]) for row in rows
                                      if len(row) == len(cols) or i == 0])
@@ -796,7 +855,11 @@ def format_table(run) -> str:
                  "rank (max over ranks), forward + backward, one iteration; "
                  f"ratio: fwd+bwd / {c['ratio_to']}'s; node KiB: sent off the "
                  "busiest node (forward + backward); floor ms: that over --inter-node-rate; "
-                 "x floor: fwd+bwd / floor; d: max abs diff to reference.py")
+                 "x floor: fwd+bwd / floor; x uniq: fwd+bwd / the unique-payload floor ("
+                 f"{_fmt(run.get('unique_payload_bytes') and run['unique_payload_bytes'] / 1024, '.1f')}"
+                 f" KiB leaving the busiest node, {_fmt(unique_ms, '.1f')} ms: each token once "
+                 "per remote node of its experts, out and back, forward and backward); "
+                 "d: max abs diff to reference.py")
     return "\n".join(lines)
 
 

@@ -83,8 +83,8 @@ def _moe_group(parser):
                    help="Cluster cost profile (JSON) for --moe-parm-schedule auto; default: a "
                         "built-in A100 profile (assumed numbers).")
     g.add_argument("--moe-parm-chunks", type=int, default=1,
-                   help="Pipeline s1's and s2's expert exchange in this many chunks of the "
-                        "capacity slots: the EP AlltoAlls of later chunks run while earlier "
+                   help="Pipeline s1's and s2's expert exchange in this many pieces (of the "
+                        "tokens; of the capacity slots with the padded exchange): the EP AlltoAlls of later chunks run while earlier "
                         "chunks are gathered, computed and sent back (1: no pipelining; 0: "
                         "the depth the cost model predicts fastest, of 1, 2, 4, 8).")
 

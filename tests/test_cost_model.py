@@ -406,3 +406,34 @@ def test_pipelined_plans_move_the_same_bytes(name, group):
     a, b = plan_cost(plan, replace(SHAPE, chunks=4), prof), plan_cost(plan, SHAPE, prof)
     assert a["bytes"] == b["bytes"]
     assert a["total_s"] < b["total_s"]
+
+
+@pytest.mark.parametrize("experts,topk,ep", [(4, 2, 2), (8, 3, 4), (16, 4, 4), (8, 1, 8)])
+def test_exact_exchange_rows_match_random_routing(experts, topk, ep):
+    """ep_hit, the chance a token needs a given EP rank, against uniformly drawn top-k sets."""
+    rng = np.random.default_rng(0)
+    draws = np.argsort(rng.random((20000, experts)), axis=1)[:, :topk]
+    hit = np.isin(draws, np.arange(experts // ep)).any(axis=1).mean()
+    shape = LayerShape(tokens=64, hidden=8, ffn=8, experts=experts, topk=topk,
+                       capacity_factor=None, ep=ep, exact=True)
+    assert shape.ep_hit() == pytest.approx(hit, abs=0.01)
+
+
+def test_exact_exchange_bytes():
+    """s1's exact exchange on SHAPE (dropless): rows = N/G x ep_hit per EP rank, M + L wide
+    out and M back; the ESP gather sends every held row once to the other ESP rank; no
+    padding, so fewer bytes than the padded exchange; s2 gathers the M-wide combined tokens."""
+    shape = replace(SHAPE, capacity_factor=None, exact=True, sequence_parallel=True)
+    hit = 1 - math.comb(2, 2) / math.comb(4, 2)  # 5/6: a top-2 token misses 2 of 4 experts
+    rows, m, local = 64 * hit, 64, 2  # per EP destination, N/G = 64 tokens per MP rank
+    exchange = {s: (f, b) for s, f, b in step_bytes("s1", shape, True)}["pipeline[ep,esp]"]
+    fwd, bwd = exchange
+    assert fwd["alltoall/ep"] == pytest.approx(rows * (m + local) * 4 + rows * m * 4, abs=2)
+    assert bwd["alltoall/ep"] == pytest.approx(fwd["alltoall/ep"])
+    assert fwd["allgather/esp"] == pytest.approx(2 * rows * (m + local) * 4, abs=2)
+    assert fwd["reducescatter/esp"] == pytest.approx(2 * rows * m * 4, abs=2)
+    padded = dict((s, (f, b)) for s, f, b in step_bytes("s1", replace(shape, exact=False),
+                                                         True))["pipeline[ep,esp]"]
+    assert fwd["alltoall/ep"] < padded[0]["alltoall/ep"]
+    s2 = dict((s, (f, b)) for s, f, b in step_bytes("s2", shape, True))["pipeline[ep,esp,mp]"]
+    assert s2[0]["allgather/mp"] == 64 * m * 4  # this rank's combined 1/G of the tokens

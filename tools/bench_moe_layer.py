@@ -682,6 +682,7 @@ def _config_summary(args):
         "moe_pad_expert_input_to_capacity": args.moe_pad_expert_input_to_capacity,
         "moe_token_drop_policy": args.moe_token_drop_policy,
         "moe_parm_chunks": args.moe_parm_chunks,
+        "moe_parm_exchange": args.moe_parm_exchange,
         "ratio_to": args.ratio_to,
         "moe_aux_loss_coeff": args.moe_aux_loss_coeff,
         "moe_token_dispatcher_type": args.moe_token_dispatcher_type,

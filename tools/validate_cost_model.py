@@ -139,7 +139,9 @@ def layer_shape(config: dict, bytes_per_element: int = 4) -> LayerShape:
                       bytes_per_element=bytes_per_element, mp=c["tensor_model_parallel_size"],
                       ep=c["expert_model_parallel_size"], esp=c["expert_tensor_parallel_size"],
                       sequence_parallel=c["sequence_parallel"], chunks=c["moe_parm_chunks"],
-                      dp=c.get("data_parallel_size", 1))
+                      dp=c.get("data_parallel_size", 1),
+                      exact=(c.get("moe_parm_exchange", "padded") == "exact"
+                             and not c.get("moe_pad_expert_input_to_capacity")))
 
 
 def merge_rounds(paths: list) -> list:

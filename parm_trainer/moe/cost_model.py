@@ -55,7 +55,11 @@ s_per_call, outside any overlap: each call is a point where ranks wait for the s
 and host work of its own, which an isolated calibration of the call does not see. (Fitted
 inside the pipeline's overlap instead, it could not tell r = 2 from r = 4 on 8 processes per 2
 cores, where more pieces measured up to 50 % slower.)
-Not priced: the one-scalar all-reduce that agrees the dropless capacity.
+Exact exchange (LayerShape.exact, exchange.py): no capacity; a rank sends each EP rank the
+expected tokens x ep_hit() rows of M + L values (L = E/EP routing weights) and gets one row of
+M back for each; see _exact_step_load. Not priced: the one-scalar all-reduce that agrees the
+padded exchange's dropless capacity; expert loads are taken at their means (the slowest rank's
+excess over the mean is not priced).
 """
 
 from __future__ import annotations
@@ -96,6 +100,17 @@ class LayerShape:
     # What-if: round a capacity-factor capacity up to the multiple a plan that splits it needs,
     # as the executor does only when dropless (today it refuses such layouts instead).
     pad_capacity: bool = False
+    # s1's and s2's exchange: exact (exchange.py; each token once per EP rank it needs, exact
+    # counts) or padded (the (E, C, M) layout). The baseline is always padded.
+    exact: bool = False
+
+    def ep_hit(self) -> float:
+        """The chance that a token's k distinct experts, drawn uniformly, include one of a
+        given EP rank's E/EP: 1 - C(E - L, k) / C(E, k). Expected rows one rank sends to
+        each EP rank in the exact exchange: tokens x ep_hit."""
+        local = self.experts // self.ep
+        return 1.0 - math.comb(self.experts - local, self.topk) / math.comb(self.experts,
+                                                                           self.topk)
 
     def capacity(self, n: int, multiple: int = 1) -> int:
         """Slots per expert for one gate call on n tokens (rounded up to `multiple` when
@@ -365,6 +380,8 @@ def step_load(step: Step, shape: LayerShape, held: Held) -> tuple:
         ag = coll("allgather", "mp", part * s.hidden * b)
         load = StepLoad(backward=ag) if op == "split_tokens" else StepLoad(forward=ag)
         return load, replace(held, tokens=part if op == "split_tokens" else n * s.mp)
+    if s.exact and op in ("dispatch", "split_capacity", "pipeline", "combine"):
+        return _exact_step_load(step, s, held, coll, need)
     if op == "split_capacity":
         need(c % s.mp == 0, f"capacity {c} does not split over MP {s.mp}")
         ag = coll("allgather", "mp", s.experts * (c // s.mp) * s.hidden * b)
@@ -408,6 +425,44 @@ def step_load(step: Step, shape: LayerShape, held: Held) -> tuple:
                         flops=expert.flops, moved=expert.moved)
         return load, replace(held, capacity=c * s.mp if gather else c)
     raise ValueError(f"unknown plan step {step}")
+
+
+def _exact_step_load(step: Step, s: LayerShape, held: Held, coll, need) -> tuple:
+    """The exact exchange's steps (exchange.py): dispatch only marks the kept pairs, and
+    agrees the send counts with one AllGather of small ints over the EP x ESP group (priced
+    on EP, whose links it crosses); s2's split keeps 1/G of the tokens and their E weights
+    (backward: their AllGather); the pipeline sends rows = tokens x ep_hit to each EP rank,
+    M + L wide, and gets one row of M back for each; the expert runs on the rows' k / EP
+    expected (token, expert) pairs per row sent, gathered over ESP; the combine adds the
+    returned rows into the tokens."""
+    op, b, n = step.op, s.bytes_per_element, held.tokens
+    local = s.experts // s.ep
+    if op == "dispatch":
+        counts = coll("allgather", "ep", (2 + max(1, min(s.chunks, n)) * s.ep) * 8)
+        return StepLoad(forward=counts, moved=n * s.experts * 4), held
+    if op == "split_capacity":
+        need(n % s.mp == 0, f"{n} tokens do not split over MP {s.mp}")
+        part = n // s.mp
+        return (StepLoad(backward=coll("allgather", "mp", part * (s.hidden + s.experts) * b)),
+                replace(held, tokens=part))
+    rows = n * s.ep_hit()  # per EP destination; a rank receives as many from each sender
+    if op == "combine":
+        return StepLoad(moved=(n + rows * s.ep) * s.hidden * b), held
+    need(s.experts % s.ep == 0, f"{s.experts} experts do not split over EP {s.ep}")
+    need(s.ffn % s.esp == 0, f"ffn {s.ffn} does not split over ESP {s.esp}")
+    received = rows * s.ep  # rows this rank holds after the outbound AlltoAll
+    wide, narrow = (s.hidden + local) * b, s.hidden * b
+    out, back = coll("alltoall", "ep", received * wide), coll("alltoall", "ep", received * narrow)
+    ag, rs = coll("allgather", "esp", received * wide), \
+        coll("reducescatter", "esp", s.esp * received * narrow)
+    ag_dual, rs_dual = coll("allgather", "esp", received * narrow), \
+        coll("reducescatter", "esp", s.esp * received * wide)
+    gather = coll("allgather", "mp", n * narrow) if "mp" in step.group.split(",") else ()
+    pairs, h = s.esp * n * s.topk, s.ffn // s.esp  # expert rows after the ESP gather
+    load = StepLoad(forward=(out, ag, rs, back, gather),
+                    backward=(back, ag_dual, rs_dual, out, ()), pipeline=True, chunks=max(1, min(s.chunks, n)),
+                    flops=2 * pairs * s.hidden * h * 2, moved=2 * pairs * h * b)
+    return load, replace(held, tokens=n * s.mp if gather else n)
 
 
 def pipeline_s(out: tuple, main: float, back: tuple, tail: tuple, chunks: int,

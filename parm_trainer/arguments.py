@@ -68,10 +68,11 @@ def _moe_group(parser):
     g.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"],
                    default="alltoall", help="megatron-core dispatcher used by the megatron schedule.")
     g.add_argument("--moe-parm-schedule", choices=["auto", "s1", "s2", "baseline", "megatron"],
-                   default="s1",
+                   default="auto",
                    help="MoE communication schedule: Parm's s1 (gate on split tokens) or s2 "
                         "(gate on all tokens, split the capacity), auto (the cheaper of the two "
-                        "by the cost model, chosen at start-up), the DeepSpeed-style baseline, "
+                        "chosen at start-up: by the cost model from --moe-parm-cost-profile, or "
+                        "else measured and cached; the default), the DeepSpeed-style baseline, "
                         "or megatron-core's own dispatcher.")
     g.add_argument("--moe-parm-exchange", choices=["exact", "padded"], default="exact",
                    help="s1's and s2's expert exchange: exact (each token sent once to each EP "
@@ -82,11 +83,16 @@ def _moe_group(parser):
     g.add_argument("--moe-parm-cost-profile", default=None,
                    help="Cluster cost profile (JSON) for --moe-parm-schedule auto; default: a "
                         "built-in A100 profile (assumed numbers).")
-    g.add_argument("--moe-parm-chunks", type=int, default=1,
+    g.add_argument("--moe-parm-tune-cache", default=None,
+                   help="Where auto keeps what it measured at start-up (JSON; default "
+                        "$PARM_TRAINER_CACHE_DIR/moe_tune.json, else "
+                        "~/.cache/parm_trainer/moe_tune.json; 'none': measure every time).")
+    g.add_argument("--moe-parm-chunks", type=int, default=0,
                    help="Pipeline s1's and s2's expert exchange in this many pieces (of the "
                         "tokens; of the capacity slots with the padded exchange): the EP AlltoAlls of later chunks run while earlier "
                         "chunks are gathered, computed and sent back (1: no pipelining; 0: "
-                        "the depth the cost model predicts fastest, of 1, 2, 4, 8).")
+                        "chosen at start-up, the default: with a cost profile the depth the cost "
+                        "model predicts fastest of 1, 2, 4, 8, else the fastest measured of 1, 2, 4).")
 
 
 def _parallel_group(parser):

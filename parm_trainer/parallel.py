@@ -108,7 +108,7 @@ def _validate_moe(args, tp, ep, etp) -> None:
                  f"(--moe-expert-capacity-factor {args.moe_expert_capacity_factor}, "
                  f"{tokens} tokens, top-{args.moe_router_topk}, {experts} experts) is not "
                  f"divisible by --tensor-model-parallel-size {tp}")
-    _require(getattr(args, "moe_parm_chunks", 1) >= 1,
+    _require(getattr(args, "moe_parm_chunks", 1) >= 0,
              "--moe-parm-chunks must be at least 1 (or 0: chosen by the cost model)")
 
 

@@ -42,3 +42,11 @@ def test_commands_run_one_node_or_emulated_nodes(tmp_path):
     assert two[1].endswith("emulated_cluster.py") and two[two.index("--procs-per-node") + 1] == "2"
     with pytest.raises(SystemExit):
         tool.parse(["--data-path", str(tmp_path / "missing")])
+
+
+def test_row_names_map_to_flags():
+    assert tool.schedule_flags("default") == []
+    assert tool.schedule_flags("s1/r2") == ["--moe-parm-schedule", "s1", "--moe-parm-chunks", "2"]
+    assert tool.schedule_flags("megatron-allgather") == [
+        "--moe-parm-schedule", "megatron", "--moe-token-dispatcher-type", "allgather"]
+    assert tool.schedule_flags("auto") == ["--moe-parm-schedule", "auto"]

@@ -1,11 +1,15 @@
 """The schedules as data: each plan lists PARM.md's steps in order, and layouts a schedule
 cannot run are refused before anything starts."""
 
+from pathlib import Path
+
 import pytest
 
 from parm_trainer.arguments import parse_args
 from parm_trainer.moe.schedules import build_plan
 from parm_trainer.parallel import LayoutError, validate_layout
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def ops(name, sequence_parallel=False):
@@ -61,9 +65,15 @@ def test_s2_refuses_a_capacity_that_mp_does_not_divide():
     common = ["--moe-parm-schedule", "s2", "--tensor-model-parallel-size", "2",
               "--seq-length", "64", "--micro-batch-size", "2", "--moe-router-topk", "2"]
     _layout(2, *common, "--moe-expert-capacity-factor", "1.0")
-    # f = 1.01 -> capacity ceil(64.64) = 65, which MP 2 cannot split
+    # f = 1.01 -> capacity ceil(64.64) = 65, which MP 2 cannot split in the padded exchange;
+    # the exact one splits the 128 tokens instead
     with pytest.raises(LayoutError, match="capacity 65 .* not divisible by --tensor-model"):
-        _layout(2, *common, "--moe-expert-capacity-factor", "1.01")
+        _layout(2, *common, "--moe-expert-capacity-factor", "1.01", "--moe-parm-exchange",
+                "padded")
+    _layout(2, *common, "--moe-expert-capacity-factor", "1.01")
+    with pytest.raises(LayoutError, match="s2 splits the tokens over MP: 63 tokens"):
+        _layout(2, "--moe-parm-schedule", "s2", "--tensor-model-parallel-size", "2",
+                "--seq-length", "63", "--micro-batch-size", "1", "--num-attention-heads", "4")
 
 
 def test_s1_without_sequence_parallel_needs_a_divisible_sequence():
@@ -90,14 +100,21 @@ def _auto(*argv):
     return args.moe_parm_schedule, said[0]
 
 
+A100 = str(ROOT / "tools" / "clusters" / "a100-nvlink-8x.json")
+PADDED = ("--moe-parm-exchange", "padded", "--moe-parm-chunks", "1")
+
+
 def test_auto_picks_by_the_cost_model_and_says_so():
-    # top-2 with capacity factor 1: S2's MP gather of k*f*N*M outweighs S1's of N*M (dropless,
-    # s1's smaller gate calls pad more, which can tip it the other way: test_cost_model.py)
-    chosen, line = _auto("--moe-router-topk", "2", "--moe-expert-capacity-factor", "1.0")
-    assert chosen == "s1" and "using s1" in line and "built-in default profile" in line
+    # the padded exchange, top-2 with capacity factor 1: S2's MP gather of k*f*N*M outweighs
+    # S1's of N*M (dropless, s1's smaller gate calls pad more, which can tip it the other way:
+    # test_cost_model.py)
+    chosen, line = _auto("--moe-router-topk", "2", "--moe-expert-capacity-factor", "1.0",
+                         "--moe-parm-cost-profile", A100, *PADDED)
+    assert chosen == "s1" and "using s1" in line and A100 in line
     # top-1 with capacity factor 0.5: S2 gathers k*f*N*M = N*M/2, less than S1's N*M
     chosen, line = _auto("--moe-router-topk", "1", "--moe-router-pre-softmax",
-                         "--moe-expert-capacity-factor", "0.5")
+                         "--moe-expert-capacity-factor", "0.5", "--moe-parm-cost-profile",
+                         A100, *PADDED)
     assert chosen == "s2", line
     assert "s1 " in line and "s2 " in line  # both predictions are logged
 
@@ -122,3 +139,36 @@ def test_auto_chunks_pipeline_a_slow_link(tmp_path):
     assert all(f"{n} r={r} " in line for n in ("s1", "s2") for r in (1, 2, 4, 8)), line
     depth = int(line.rsplit("--moe-parm-chunks ", 1)[1])
     assert depth > 1, line
+
+
+def test_auto_without_a_profile_is_left_to_the_start_up_measurement():
+    """No profile: nothing is decided before the process groups exist; the candidates are s1
+    and s2 at depths 1, 2 and 4 by default, only the depths of a schedule given, only the
+    schedules at a depth given (tune.py measures them)."""
+    from parm_trainer.moe.auto import resolve_auto_schedule
+
+    for argv, want in (([], [(n, r) for n in ("s1", "s2") for r in (1, 2, 4)]),
+                       (["--moe-parm-schedule", "s2"], [("s2", 1), ("s2", 2), ("s2", 4)]),
+                       (["--moe-parm-chunks", "2"], [("s1", 2), ("s2", 2)])):
+        args = parse_args(["--num-experts", "4", "--disable-bias-linear", *argv], world_size=2)
+        said = []
+        resolve_auto_schedule(args, log=said.append)
+        assert args.moe_parm_tune_candidates == want and not said
+        validate_layout(args)  # "auto" and depth 0 pass until they are resolved
+    args = parse_args(["--num-experts", "4", "--moe-parm-schedule", "megatron"], world_size=1)
+    resolve_auto_schedule(args)
+    assert args.moe_parm_chunks == 1 and not getattr(args, "moe_parm_tune_candidates", None)
+
+
+def test_tune_cache_survives_a_corrupt_file(tmp_path):
+    from parm_trainer.moe import tune
+
+    path = tmp_path / "sub" / "tune.json"
+    assert tune._read(str(path), "k") is None  # missing
+    tune._write(str(path), "k", {"choice": ["s1", 2], "measured_ms": {"s1 r=2": 1.0}})
+    assert tune._read(str(path), "k")["choice"] == ["s1", 2]
+    path.write_text("{not json")
+    assert tune._read(str(path), "k") is None
+    tune._write(str(path), "k2", {"choice": ["s2", 1], "measured_ms": {}})  # rewritten whole
+    assert tune._read(str(path), "k2")["choice"] == ["s2", 1]
+    assert not list(path.parent.glob("*.tmp*"))

@@ -1,5 +1,9 @@
 """python tools/bench_e2e.py --nproc 4 --schedules baseline,s1,s2,auto,megatron --runs 3
 
+Rows: a --moe-parm-schedule name; "default" (no Parm flag: auto, the depth chosen at start-up);
+"s1/r2" (a schedule at a pipeline depth); "megatron-alltoall", "megatron-allgather" (megatron's
+own MoE layer with that token dispatcher).
+
 Training speed of pretrain_gpt_moe.py under each MoE schedule, end to end: the demo-sized MoE
 GPT (4 layers, hidden 128, 4 experts, top-2, sequence 128, TP2 x EP2 x ESP2 with sequence
 parallelism on 4 ranks, as `make demo`) on the same data with the same seed, --train-iters
@@ -50,13 +54,26 @@ def run_figure(rows: list) -> float:
     return statistics.fmean(ms for _, ms, _ in rows[1:])
 
 
+def schedule_flags(name: str) -> list:
+    """A row's flags: "default" none (auto, depth chosen at start-up); "megatron-alltoall" and
+    "megatron-allgather" megatron's layer with that dispatcher; "s1/r2" a schedule at a depth;
+    any other name --moe-parm-schedule NAME."""
+    if name == "default":
+        return []
+    if name.startswith("megatron-"):
+        return ["--moe-parm-schedule", "megatron", "--moe-token-dispatcher-type",
+                name.split("-", 1)[1]]
+    schedule, _, depth = name.partition("/r")
+    return ["--moe-parm-schedule", schedule] + (["--moe-parm-chunks", depth] if depth else [])
+
+
 def command(args, schedule: str, run_dir: str) -> list:
     flags = ["--tensor-model-parallel-size", str(args.tp), "--expert-model-parallel-size",
              str(args.ep), "--expert-tensor-parallel-size", str(args.tp), *MODEL,
              "--train-iters", str(args.train_iters), "--log-interval", str(args.log_interval),
              "--eval-interval", str(args.train_iters + 1), "--data-path", args.data_path,
              "--tokenizer-model", args.tokenizer_model, "--data-cache-path",
-             os.path.join(run_dir, "data_cache"), "--moe-parm-schedule", schedule]
+             os.path.join(run_dir, "data_cache"), *schedule_flags(schedule)]
     if args.tp > 1:
         flags.append("--sequence-parallel")
     flags += args.extra
@@ -121,14 +138,18 @@ def main(argv=None) -> int:
                       file=sys.stderr)
                 return 1
             rows = intervals(output)
-            chosen = re.search(r"using (s[12])", output)
+            # auto's choice is printed by rank 0: node 0's output (stdout) across nodes
+            chosen = re.search(r"using (s[12])(?: with --moe-parm-chunks (\d+))?",
+                               done.stdout + output)
             runs[schedule].append({"ms_per_iter": run_figure(rows), "intervals": rows,
                                    "tokens_per_iter": rows[-1][1] * rows[-1][2] / 1e3,
                                    "wall_s": time.monotonic() - start,
-                                   "chosen": chosen.group(1) if chosen else None})
+                                   "chosen": (chosen.group(1) + (f"/r{chosen.group(2)}"
+                                                                 if chosen.group(2) else ""))
+                                             if chosen else None})
             print(f"run {r + 1}/{args.runs} {schedule:<10} {runs[schedule][-1]['ms_per_iter']:8.1f}"
                   f" ms/iter", flush=True)
-    print(f"\n{'schedule':<12}{'ms/iter':>10}{'tokens/s':>10}  runs (ms/iter)")
+    print(f"\n{'schedule':<18}{'ms/iter':>10}{'tokens/s':>10}  runs (ms/iter)")
     summary = {}
     for schedule, results in runs.items():
         ms = statistics.median(x["ms_per_iter"] for x in results)
@@ -136,8 +157,8 @@ def main(argv=None) -> int:
         summary[schedule] = {"ms_per_iter": ms, "tokens_per_s": tokens / ms * 1e3,
                              "runs": [x["ms_per_iter"] for x in results],
                              "chosen": results[0]["chosen"]}
-        name = f"{schedule}={results[0]['chosen']}" if schedule == "auto" else schedule
-        print(f"{name:<12}{ms:>10.1f}{tokens / ms * 1e3:>10.0f}  "
+        name = f"{schedule}={results[0]['chosen']}" if results[0]["chosen"] else schedule
+        print(f"{name:<18}{ms:>10.1f}{tokens / ms * 1e3:>10.0f}  "
               + ", ".join(f"{x['ms_per_iter']:.1f}" for x in results))
     path = args.json or os.path.join(args.out_dir, "bench_e2e.json")
     with open(path, "w") as f:

@@ -109,6 +109,9 @@ def add_tool_args(parser: argparse.ArgumentParser) -> None:
     parser.description = TOOL_HELP
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     g = parser.add_argument_group("bench_moe_layer")
+    # Rows run at the depth given (--moe-parm-chunks, 1 unless given; 0: chosen as auto does),
+    # not at the training default of a depth chosen at start-up.
+    parser.set_defaults(moe_parm_chunks=1)
     g.add_argument("--nproc", type=int, default=None,
                    help="Start this many ranks on this machine (torchrun); without it the tool "
                         "is one rank of a job torchrun started.")
@@ -721,6 +724,27 @@ def _trial(args, name):
     return trial
 
 
+def _tune_pending(runnable, results):
+    """Trials auto left to be measured (no cost profile): measured now, on this layout, as a
+    training run does at start-up (parm_trainer/moe/tune.py); one none of whose candidates can
+    run is reported as skipped."""
+    from parm_trainer.moe.tune import tune_at_startup
+    from parm_trainer.parallel import LayoutError
+
+    out = []
+    for schedule, trial in runnable:
+        if getattr(trial, "moe_parm_tune_candidates", None):
+            said = []
+            try:
+                tune_at_startup(trial, log=said.append)
+            except LayoutError as error:
+                results[schedule] = {"status": "skipped", "reason": str(error)}
+                continue
+            trial.auto_choice = said[0]
+        out.append((schedule, trial))
+    return out
+
+
 def run_config(args, name=None, dump_dir=None):
     """Every schedule of args on this world; returns {"name", "config", "schedules"}."""
     from parm_trainer.parallel import LayoutError, validate_layout
@@ -740,6 +764,8 @@ def run_config(args, name=None, dump_dir=None):
     device = _device()
     if runnable:
         set_layout(runnable[0][1])
+        runnable = _tune_pending(runnable, results)
+    if runnable:
         weights = full_weights(args)
         replica = Replica(runnable[0][1], weights, device)
         if dump_dir and torch.distributed.get_rank() == 0:

@@ -1,4 +1,5 @@
-"""--moe-parm-schedule auto: pick S1 or S2 once at start-up with the cost model.
+"""--moe-parm-schedule auto: pick S1 or S2 once at start-up, with the cost model from a given
+--moe-parm-cost-profile, or else by measuring the candidates (tune.py).
 
 The layer shape comes from the flags (tokens per MP group = --seq-length x --micro-batch-size)
 and the cluster from --moe-parm-cost-profile (a JSON profile; see cost_model.Profile) or, without
@@ -45,13 +46,16 @@ def load_profile(args) -> Profile:
 
 
 CHUNK_CHOICES = (1, 2, 4, 8)
+TUNE_DEPTHS = (1, 2, 4)
 
 
 def resolve_auto_schedule(args, log=print) -> None:
-    """Replace args.moe_parm_schedule "auto" by the cheaper of s1 and s2, and
-    --moe-parm-chunks 0 by the cheapest pipeline depth of CHUNK_CHOICES (for s1 and s2; the
-    other schedules do not pipeline), and say why. A given profile is checked whatever the
-    schedule, so a bad one never goes unnoticed."""
+    """With --moe-parm-cost-profile: replace args.moe_parm_schedule "auto" by the cheaper of
+    s1 and s2, and --moe-parm-chunks 0 by the cheapest pipeline depth of CHUNK_CHOICES (for s1
+    and s2; the other schedules do not pipeline), and say why. Without one, leave both to be
+    measured at start-up (args.moe_parm_tune_candidates, resolved by tune.tune_at_startup once
+    the process groups exist). A given profile is checked whatever the schedule, so a bad one
+    never goes unnoticed."""
     profile = load_profile(args)
     auto_schedule, auto_chunks = args.moe_parm_schedule == "auto", args.moe_parm_chunks == 0
     names = ("s1", "s2") if auto_schedule else (args.moe_parm_schedule,)
@@ -59,6 +63,10 @@ def resolve_auto_schedule(args, log=print) -> None:
             not set(names) <= {"s1", "s2"}:
         if auto_chunks:
             args.moe_parm_chunks = 1
+        return
+    if not args.moe_parm_cost_profile:  # measured at start-up instead (tune.py)
+        depths = TUNE_DEPTHS if auto_chunks else (args.moe_parm_chunks,)
+        args.moe_parm_tune_candidates = [(n, r) for n in names for r in depths]
         return
     shape = layer_shape(args)
     depths = CHUNK_CHOICES if auto_chunks else (args.moe_parm_chunks,)

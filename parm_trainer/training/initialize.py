@@ -19,6 +19,7 @@ from parm_trainer.compat import cpu
 from parm_trainer.data.tokenizer import build_tokenizer
 from parm_trainer.models.config import padded_vocab_size
 from parm_trainer.moe.auto import resolve_auto_schedule
+from parm_trainer.moe.tune import tune_at_startup
 from parm_trainer.moe.cost_model import ProfileError
 from parm_trainer.parallel import LayoutError, initialize_distributed, validate_layout
 
@@ -59,6 +60,7 @@ def initialize(argv=None, extra_args_provider=None, check_inputs=None):
         check_inputs(args)
     cpu.apply()
     initialize_distributed(args)
+    tune_at_startup(args, log=lambda line: _rank() == 0 and print(line, flush=True))
     return args
 
 

@@ -1,0 +1,200 @@
+"""--moe-parm-schedule auto with no cost profile: measure the candidates at start-up, once.
+
+The default run (no Parm flag) is auto with the pipeline depth chosen too. Given a profile
+(--moe-parm-cost-profile), the cost model chooses (auto.py). Without one, every rank builds
+this job's MoE layer under each candidate (s1 and s2, or the schedule given, at depths 1, 2 and
+4, or the depth given; those the layout admits), times a few forward + backward passes on random tokens of the real shape
+on the real process groups, and takes the fastest (the max over ranks of the median, so every
+rank makes the same choice). That takes seconds. The result is cached in a JSON file
+(--moe-parm-tune-cache, default $PARM_TRAINER_CACHE_DIR or ~/.cache/parm_trainer, file
+moe_tune.json) under a key naming the cluster (world size, ranks per node, backend, device,
+host names) and the layer (layout, shape, dtype, exchange), so a later run of the same layer on
+the same cluster reads it instead. Rank 0 reads and writes the cache and broadcasts the choice;
+the write goes to a temporary file renamed into place. The log says which path was taken.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import statistics
+import time
+
+import torch
+
+DEPTHS = (1, 2, 4)
+WARMUP, TIMED = 1, 3
+
+
+def cache_path(args) -> str | None:
+    """The cache file, or None where caching is off (--moe-parm-tune-cache none)."""
+    path = getattr(args, "moe_parm_tune_cache", None)
+    if path == "none":
+        return None
+    if path:
+        return path
+    root = os.environ.get("PARM_TRAINER_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "parm_trainer")
+    return os.path.join(root, "moe_tune.json")
+
+
+def _key(args, candidates) -> str:
+    world = torch.distributed.get_world_size()
+    hosts = [None] * world
+    torch.distributed.all_gather_object(hosts, socket.gethostname())
+    device = (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    return json.dumps({
+        "world": world, "per_node": int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+        "backend": torch.distributed.get_backend(), "device": device,
+        "hosts": sorted(set(hosts)),
+        "layout": [args.tensor_model_parallel_size, args.expert_model_parallel_size,
+                   args.expert_tensor_parallel_size, args.pipeline_model_parallel_size,
+                   bool(args.sequence_parallel)],
+        "shape": [args.seq_length, args.micro_batch_size, args.hidden_size,
+                  args.moe_ffn_hidden_size, args.num_experts, args.moe_router_topk,
+                  args.moe_expert_capacity_factor, bool(args.moe_router_pre_softmax),
+                  "bf16" if args.bf16 else "fp32"],
+        "exchange": args.moe_parm_exchange, "candidates": [list(c) for c in candidates]},
+        sort_keys=True)
+
+
+def _read(path, key):
+    try:
+        with open(path) as f:
+            entry = json.load(f).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(entry, dict) and isinstance(entry.get("choice"), list):
+        return entry
+    return None
+
+
+def _write(path, key, entry) -> None:
+    try:
+        with open(path) as f:
+            table = json.load(f)
+        if not isinstance(table, dict):
+            table = {}
+    except (OSError, ValueError):
+        table = {}
+    table[key] = entry
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(table, f, indent=1)
+    os.replace(tmp, path)
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _time_candidate(args, config, name, chunks) -> float:
+    """Median seconds of TIMED forward + backward passes of the layer, max over ranks."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    from parm_trainer.moe.layer import ParmMoELayer
+
+    spec = get_moe_module_spec(use_te=False, num_experts=args.num_experts,
+                               moe_grouped_gemm=False)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    layer = ParmMoELayer(config, spec.submodules, layer_number=1, schedule=name, chunks=chunks,
+                         exchange=args.moe_parm_exchange).to(device)
+    seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    gen = torch.Generator().manual_seed(1234 + torch.distributed.get_rank())
+    x = torch.randn(seq, args.micro_batch_size, args.hidden_size, generator=gen).to(device, dtype)
+    if args.bf16:
+        layer = layer.to(dtype)
+    times = []
+    for i in range(WARMUP + TIMED):
+        x_i = x.detach().requires_grad_()
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        out, _ = layer(x_i)
+        out.backward(torch.ones_like(out))
+        _sync()
+        if i >= WARMUP:
+            times.append(time.perf_counter() - start)
+    seconds = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
+    return float(seconds.item())
+
+
+def _measure(args, candidates) -> dict:
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from parm_trainer.models.config import transformer_config
+
+    trial = copy.copy(args)
+    trial.moe_parm_schedule = "s1"
+    config = transformer_config(trial)
+    scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    model_parallel_cuda_manual_seed(args.seed)
+    try:
+        return {(name, r): _time_candidate(args, config, name, r) for name, r in candidates}
+    finally:
+        moe_utils.clear_aux_losses_tracker()
+        MoEAuxLossAutoScaler.main_loss_backward_scale = scale
+
+
+def runnable_candidates(args) -> list:
+    """Of args.moe_parm_tune_candidates, those validate_layout admits for this job."""
+    from parm_trainer.parallel import LayoutError, validate_layout
+
+    out = []
+    for name, r in args.moe_parm_tune_candidates:
+        trial = copy.copy(args)
+        trial.moe_parm_schedule, trial.moe_parm_chunks = name, r
+        try:
+            validate_layout(trial)
+        except LayoutError:
+            continue
+        out.append((name, r))
+    return out
+
+
+def tune_at_startup(args, log=print) -> None:
+    """Resolve what auto.resolve_auto_schedule left to measure (args.moe_parm_tune_candidates):
+    from the cache, or measured now and cached. Collective: every rank calls it."""
+    if not getattr(args, "moe_parm_tune_candidates", None):
+        return
+    candidates = runnable_candidates(args)
+    if not candidates:
+        from parm_trainer.parallel import LayoutError
+
+        raise LayoutError(f"--moe-parm-schedule {args.moe_parm_schedule}: none of "
+                         f"{args.moe_parm_tune_candidates} can run this layout")
+    key, path = _key(args, candidates), cache_path(args)
+    rank0 = torch.distributed.get_rank() == 0
+    cached = [_read(path, key) if rank0 and path else None]
+    torch.distributed.broadcast_object_list(cached, src=0)
+    entry, source = cached[0], f"cached in {path}"
+    if entry is None:
+        start = time.perf_counter()
+        measured = _measure(args, candidates)
+        best = min(measured, key=measured.get)
+        entry = {"choice": list(best), "measured_ms": {f"{n} r={r}": round(s * 1e3, 3)
+                                                     for (n, r), s in measured.items()},
+                 "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+        source = f"measured at start-up in {time.perf_counter() - start:.1f} s"
+        if rank0 and path:
+            try:
+                _write(path, key, entry)
+                source += f", cached in {path}"
+            except OSError as error:
+                source += f" (not cached: {error.strerror} for {path})"
+    name, r = entry["choice"]
+    times = ", ".join(f"{c} {ms:.2f} ms" for c, ms in entry["measured_ms"].items())
+    log(f"--moe-parm-schedule {args.moe_parm_schedule} --moe-parm-chunks "
+        f"{args.moe_parm_chunks}: forward+backward per MoE layer {times} ({source}); "
+        f"using {name} with --moe-parm-chunks {r}")
+    args.moe_parm_schedule, args.moe_parm_chunks = name, int(r)
+    args.moe_parm_tune_candidates = None

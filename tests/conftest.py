@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,7 +18,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # auto's start-up measurements (parm_trainer/moe/tune.py), shared by this session's launches
 # (so runs that are compared make the same choice) and never the user's own cache
-CACHE_DIR = Path(os.environ.get("PYTEST_PARM_CACHE", f"/tmp/parm_trainer_test_cache_{os.getpid()}"))
+# (every process the tests start inherits it)
+os.environ["PARM_TRAINER_CACHE_DIR"] = f"/tmp/parm_trainer_test_cache_{os.getpid()}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_tune_cache():
+    yield
+    shutil.rmtree(os.environ["PARM_TRAINER_CACHE_DIR"], ignore_errors=True)
 
 
 def run_tool(*args, timeout=300):
@@ -85,8 +93,7 @@ def launch(nproc: int, args: list, tmp_path: Path, timeout: float = 300,
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-port", str(free_port()), script, *args,
                "--log-losses-json", str(losses_json)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PARM_TRAINER_CACHE_DIR": str(CACHE_DIR)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     start = time.monotonic()
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                             env=env)

@@ -84,7 +84,8 @@ def run_launch(nproc, configs, tmp_path, timeout=240, dump=None):
                "--configs", str(cfg_file), "--json", str(out_file)]
     if dump:
         command += ["--dump", str(dump)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PARM_TRAINER_CACHE_DIR": str(tmp_path / "cache")}  # auto measures afresh
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                             env=env)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
@@ -345,7 +346,9 @@ def test_four_ranks_every_layout_chunks_and_bytes(tmp_path):
         check_exact_bytes(runs[name], tmp_path / "dump" / name, *layout[:3],
                           topk=extra.get("moe-router-topk", 2))
     auto = runs["peers-auto"]["schedules"]["auto"]
-    assert auto["auto_choice"].startswith("--moe-parm-schedule auto and --moe-parm-chunks 0")
+    # no cost profile: measured on this layout as a training run does at start-up
+    assert auto["auto_choice"].startswith("--moe-parm-schedule auto --moe-parm-chunks 0:")
+    assert "measured at start-up" in auto["auto_choice"]
     assert auto["plan"].split(":")[0] in ("s1", "s2") and auto["chunks"] in (1, 2, 4, 8)
     assert [runs["peers-auto"]["schedules"][p]["plan"] for p in ("megatron-alltoall",
             "megatron-allgather")] == [f"megatron-core MoELayer ({d} dispatcher)"

@@ -337,7 +337,7 @@ def test_sampler_empty_dataset():
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--num-experts", "4", "--moe-ffn-hidden-size", "512", "--seq-length", "64",
-        "--disable-bias-linear"]
+        "--disable-bias-linear", "--moe-parm-schedule", "s1", "--moe-parm-chunks", "1"]
 VOCAB = 1024
 STD = 0.02
 

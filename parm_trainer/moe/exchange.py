@@ -82,9 +82,11 @@ def _agree_counts(pieces: list, ep: int, esp: int) -> None:
     over the EP x ESP group (each row tagged with its sender's EP and ESP ranks)."""
     me_ep = parallel_state.get_expert_model_parallel_rank()
     me_esp = parallel_state.get_expert_tensor_parallel_rank()
-    sends = torch.stack([p.send for p in pieces]).to(torch.int64)  # (P, EP)
-    local = torch.cat([torch.tensor([me_ep, me_esp], dtype=torch.int64), sends.cpu().view(-1)])
+    sends = torch.stack([p.send for p in pieces]).to(torch.int64)  # (P, EP), on the device
+    local = torch.cat([torch.tensor([me_ep, me_esp], dtype=torch.int64, device=sends.device),
+                       sends.view(-1)])  # NCCL gathers device tensors only
     rows = cu.gather_counts(local, parallel_state.get_expert_tensor_and_model_parallel_group())
+    rows, sends = rows.cpu(), sends.cpu()
     table = torch.zeros(ep, esp, len(pieces), ep, dtype=torch.int64)
     table[rows[:, 0], rows[:, 1]] = rows[:, 2:].view(-1, len(pieces), ep)
     into_me = table[..., me_ep]  # (EP sender, ESP rank, P): rows sent to EP rank me_ep

@@ -55,6 +55,10 @@ class ParmMoELayer(MegatronModule):
                  exchange: str = "exact"):
         super().__init__(config=config)
         self.layer_number = layer_number
+        if schedule == "auto" or chunks < 1:
+            raise ValueError(f"ParmMoELayer needs a resolved schedule and depth (got {schedule!r},"
+                             f" chunks {chunks}): parm_trainer.training.initialize resolves "
+                             "--moe-parm-schedule auto and --moe-parm-chunks 0 at start-up")
         self.plan = build_plan(schedule, config.sequence_parallel)
         self.chunks = chunks
         if exchange not in EXCHANGES:

@@ -120,7 +120,7 @@ def _time_candidate(args, config, name, chunks) -> float:
         _sync()
         if i >= WARMUP:
             times.append(time.perf_counter() - start)
-    seconds = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    seconds = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
     return float(seconds.item())
 

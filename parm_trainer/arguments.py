@@ -89,10 +89,11 @@ def _moe_group(parser):
                         "~/.cache/parm_trainer/moe_tune.json; 'none': measure every time).")
     g.add_argument("--moe-parm-chunks", type=int, default=0,
                    help="Pipeline s1's and s2's expert exchange in this many pieces (of the "
-                        "tokens; of the capacity slots with the padded exchange): the EP AlltoAlls of later chunks run while earlier "
-                        "chunks are gathered, computed and sent back (1: no pipelining; 0: "
-                        "chosen at start-up, the default: with a cost profile the depth the cost "
-                        "model predicts fastest of 1, 2, 4, 8, else the fastest measured of 1, 2, 4).")
+                        "tokens; of the capacity slots with the padded exchange): the EP "
+                        "AlltoAlls of later pieces run while earlier ones are gathered, "
+                        "computed and sent back (1: no pipelining; 0, the default: chosen at "
+                        "start-up, with a cost profile the depth the cost model predicts "
+                        "fastest of 1, 2, 4, 8, else the fastest measured of 1, 2, 4).")
 
 
 def _parallel_group(parser):
@@ -208,5 +209,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, extra_args_provider=None,
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    if args.moe_pad_expert_input_to_capacity:  # Megatron-LM's flag: experts padded to capacity
+        args.moe_parm_exchange = "padded"
     _check(args)
     return args

@@ -92,8 +92,7 @@ def _validate_moe(args, tp, ep, etp) -> None:
         _require(args.seq_length % tp == 0,
                  f"--moe-parm-schedule s1 splits tokens over MP: --seq-length {args.seq_length} "
                  f"is not divisible by --tensor-model-parallel-size {tp}")
-    if schedule == "s2" and getattr(args, "moe_parm_exchange", "padded") == "exact" \
-            and not args.moe_pad_expert_input_to_capacity:
+    if schedule == "s2" and getattr(args, "moe_parm_exchange", "padded") == "exact":
         tokens = args.seq_length * args.micro_batch_size
         _require(tokens % tp == 0,
                  f"--moe-parm-schedule s2 splits the tokens over MP: {tokens} tokens "
@@ -109,7 +108,7 @@ def _validate_moe(args, tp, ep, etp) -> None:
                  f"{tokens} tokens, top-{args.moe_router_topk}, {experts} experts) is not "
                  f"divisible by --tensor-model-parallel-size {tp}")
     _require(getattr(args, "moe_parm_chunks", 1) >= 0,
-             "--moe-parm-chunks must be at least 1 (or 0: chosen by the cost model)")
+             "--moe-parm-chunks must be at least 1 (or 0: chosen at start-up)")
 
 
 def _validate_batch(args) -> None:

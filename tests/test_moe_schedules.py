@@ -172,3 +172,24 @@ def test_tune_cache_survives_a_corrupt_file(tmp_path):
     tune._write(str(path), "k2", {"choice": ["s2", 1], "measured_ms": {}})  # rewritten whole
     assert tune._read(str(path), "k2")["choice"] == ["s2", 1]
     assert not list(path.parent.glob("*.tmp*"))
+
+
+def test_tune_cache_path(monkeypatch):
+    from types import SimpleNamespace
+
+    from parm_trainer.moe.tune import cache_path
+
+    monkeypatch.setenv("PARM_TRAINER_CACHE_DIR", "/somewhere")
+    assert cache_path(SimpleNamespace(moe_parm_tune_cache=None)) == "/somewhere/moe_tune.json"
+    assert cache_path(SimpleNamespace(moe_parm_tune_cache="x.json")) == "x.json"
+    assert cache_path(SimpleNamespace(moe_parm_tune_cache="none")) is None
+    monkeypatch.delenv("PARM_TRAINER_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
+    assert cache_path(SimpleNamespace(moe_parm_tune_cache=None)) == \
+        "/xdg/parm_trainer/moe_tune.json"
+
+
+def test_pad_to_capacity_means_the_padded_exchange():
+    args = parse_args(["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], world_size=1)
+    assert args.moe_parm_exchange == "padded"
+    assert parse_args(["--num-experts", "4"], world_size=1).moe_parm_exchange == "exact"

@@ -361,6 +361,7 @@ class Replica:
                 "output": ref.output.detach().view(s, b, m),
                 "input_grad": x.grad.detach().view(s, b, m),
                 "aux_loss": ref.raw_aux_loss.detach(),
+                "routing_map": ref.routing_map.cpu(),
                 **{f"{k}_grad_total": v for k, v in grads.items()},
             }
         return self._refs[(gate_calls, coeff)]
@@ -418,7 +419,7 @@ def _ledger_snapshot(field="sent"):
     return {key: row[field] for key, row in LEDGER.totals(per_phase=True).items()}
 
 
-def _unique_payload(args, replica, weights) -> dict:
+def _unique_payload(args, replica) -> dict:
     """{node: bytes} this rank's tokens make leave each node at the least, from the routing
     itself: each of its tokens (its 1/MP block of the replica's, as s1 splits them) once to
     every other node holding one of its experts (EP ranks of this rank's EP group), hidden x
@@ -427,15 +428,9 @@ def _unique_payload(args, replica, weights) -> dict:
     the return and the gradient of the payload leave the expert's node."""
     from megatron.core import parallel_state
 
-    from parm_trainer.moe.reference import drop_over_capacity, route
-
-    hidden, experts, k = args.hidden_size, args.num_experts, args.moe_router_topk
-    mp = parallel_state.get_tensor_model_parallel_world_size()
-    x = replica.input.reshape(-1, hidden).cpu()
-    probs, routing = route(x @ weights["gate"].t(), k, args.moe_router_pre_softmax)
-    if args.moe_expert_capacity_factor is not None:
-        _, routing = drop_over_capacity(probs, routing, k, args.moe_expert_capacity_factor, mp)
-    mine = routing.chunk(mp)[parallel_state.get_tensor_model_parallel_rank()]
+    hidden, experts = args.hidden_size, args.num_experts
+    routing = replica.reference(gate_calls=replica.mp_size)["routing_map"]  # s1's gate calls
+    mine = routing.chunk(replica.mp_size)[replica.mp_rank]
     ep_ranks = torch.distributed.get_process_group_ranks(
         parallel_state.get_expert_model_parallel_group())
     local = experts // len(ep_ranks)
@@ -573,10 +568,9 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
     _dump_result(dump_dir, name, full_out, full_in_grad)
     del x, out
 
-    ledger = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(ledger, bytes_local)
-    received = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(received, received_local)
+    both = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(both, (bytes_local, received_local))
+    ledger, received = [sent for sent, _ in both], [got for _, got in both]
     cross = [0] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(
         cross, _cross_node_bytes(bytes_local, layer.groups) if hasattr(layer, "groups") else None)
@@ -781,8 +775,7 @@ def run_config(args, name=None, dump_dir=None):
                 torch.save(replica_data(args, d)[0].reshape(s * b, m),
                            os.path.join(dump_dir, f"input_dp{d}.pt"))
         unique = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(unique, _unique_payload(runnable[0][1], replica,
-                                                                    weights))
+        torch.distributed.all_gather_object(unique, _unique_payload(runnable[0][1], replica))
         nodes = {}
         for per_node in unique:
             for node, nbytes in per_node.items():

@@ -140,8 +140,7 @@ def layer_shape(config: dict, bytes_per_element: int = 4) -> LayerShape:
                       ep=c["expert_model_parallel_size"], esp=c["expert_tensor_parallel_size"],
                       sequence_parallel=c["sequence_parallel"], chunks=c["moe_parm_chunks"],
                       dp=c.get("data_parallel_size", 1),
-                      exact=(c.get("moe_parm_exchange", "padded") == "exact"
-                             and not c.get("moe_pad_expert_input_to_capacity")))
+                      exact=c.get("moe_parm_exchange", "padded") == "exact")
 
 
 def merge_rounds(paths: list) -> list:

@@ -24,8 +24,7 @@ def layer_shape(args) -> LayerShape:
         mp=args.tensor_model_parallel_size, ep=args.expert_model_parallel_size,
         esp=args.expert_tensor_parallel_size, sequence_parallel=args.sequence_parallel,
         chunks=args.moe_parm_chunks,
-        exact=(getattr(args, "moe_parm_exchange", "exact") == "exact"
-               and not args.moe_pad_expert_input_to_capacity),
+        exact=args.moe_parm_exchange == "exact",
         dp=args.world_size // (args.tensor_model_parallel_size
                                * args.pipeline_model_parallel_size))
 

@@ -105,8 +105,7 @@ def start(x, counts: Counts, group, name):
     the result to comm.finish(). A group of one is the identity."""
     if comm.group_size(group) == 1:
         return x, None
-    row_bytes = x.shape[1] * x.element_size() if x.dim() > 1 else x.element_size()
-    pending = _PendingV(counts, group, name, row_bytes)
+    pending = _PendingV(counts, group, name, x.shape[1] * x.element_size())
     return comm._Start.apply(x, pending), pending
 
 

@@ -436,9 +436,9 @@ def _exact_step_load(step: Step, s: LayerShape, held: Held, coll, need) -> tuple
     expected (token, expert) pairs per row sent, gathered over ESP; the combine adds the
     returned rows into the tokens."""
     op, b, n = step.op, s.bytes_per_element, held.tokens
-    local = s.experts // s.ep
+    local, pieces = s.experts // s.ep, max(1, min(s.chunks, n))
     if op == "dispatch":
-        counts = coll("allgather", "ep", (2 + max(1, min(s.chunks, n)) * s.ep) * 8)
+        counts = coll("allgather", "ep", (2 + pieces * s.ep) * 8)
         return StepLoad(forward=counts, moved=n * s.experts * 4), held
     if op == "split_capacity":
         need(n % s.mp == 0, f"{n} tokens do not split over MP {s.mp}")
@@ -460,7 +460,7 @@ def _exact_step_load(step: Step, s: LayerShape, held: Held, coll, need) -> tuple
     gather = coll("allgather", "mp", n * narrow) if "mp" in step.group.split(",") else ()
     pairs, h = s.esp * n * s.topk, s.ffn // s.esp  # expert rows after the ESP gather
     load = StepLoad(forward=(out, ag, rs, back, gather),
-                    backward=(back, ag_dual, rs_dual, out, ()), pipeline=True, chunks=max(1, min(s.chunks, n)),
+                    backward=(back, ag_dual, rs_dual, out, ()), pipeline=True, chunks=pieces,
                     flops=2 * pairs * s.hidden * h * 2, moved=2 * pairs * h * b)
     return load, replace(held, tokens=n * s.mp if gather else n)
 

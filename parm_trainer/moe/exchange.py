@@ -77,11 +77,9 @@ def _pieces(routed: Routed, ep: int, chunks: int) -> list:
     return pieces
 
 
-def _agree_counts(pieces: list, ep: int, esp: int) -> None:
+def _agree_counts(pieces: list, ep: int, esp: int, me_ep: int, me_esp: int) -> None:
     """Fill each piece's recv and esp counts from one AllGather of every rank's send counts
     over the EP x ESP group (each row tagged with its sender's EP and ESP ranks)."""
-    me_ep = parallel_state.get_expert_model_parallel_rank()
-    me_esp = parallel_state.get_expert_tensor_parallel_rank()
     sends = torch.stack([p.send for p in pieces]).to(torch.int64)  # (P, EP), on the device
     local = torch.cat([torch.tensor([me_ep, me_esp], dtype=torch.int64, device=sends.device),
                        sends.view(-1)])  # NCCL gathers device tensors only
@@ -120,7 +118,7 @@ def exchange(layer, routed: Routed, gather_mp: bool):
     pieces = _pieces(routed, ep, layer.chunks)
     if not pieces:
         return tokens.new_zeros(tokens.shape[0] * (layer.mp_size if gather_mp else 1), hidden)
-    _agree_counts(pieces, ep, esp)
+    _agree_counts(pieces, ep, esp, me_ep, me_esp)
     outbound = []
     for p in pieces:
         payload = torch.cat([tokens[p.token], p.weights.to(tokens.dtype)], dim=-1)

@@ -7,8 +7,8 @@ s1's and s2's expert exchange is exact by default (exchange.py): each token cros
 EP rank once, in AlltoAlls of exact counts, and comes back summed over that rank's experts;
 dispatch then only marks the kept (token, expert) pairs, s2's split_capacity keeps this MP
 rank's block of the tokens, and the exchange itself adds the rows into their tokens (the
-combine step has nothing left to do). With --moe-parm-exchange padded (or
---moe-pad-expert-input-to-capacity), and always for the baseline, tokens are dispatched into
+combine step has nothing left to do). With exchange "padded" (--moe-parm-exchange padded, or
+--moe-pad-expert-input-to-capacity, which parse_args maps to it), and always for the baseline, tokens are dispatched into
 the fixed (E, C, M) layout of PARM.md: C is the capacity of one gate call (from
 --moe-expert-capacity-factor, or, dropless, the largest expert load in the pipeline stage,
 agreed with one scalar all-reduce), and the routing probabilities are applied in the combine.
@@ -63,8 +63,7 @@ class ParmMoELayer(MegatronModule):
         self.chunks = chunks
         if exchange not in EXCHANGES:
             raise ValueError(f"--moe-parm-exchange {exchange!r}: choose one of {EXCHANGES}")
-        self.exact = (exchange == "exact" and schedule != "baseline"
-                      and not config.moe_pad_expert_input_to_capacity)
+        self.exact = exchange == "exact" and schedule != "baseline"  # DeepSpeed's TED pads
         self.groups = {"mp": parallel_state.get_tensor_model_parallel_group(),
                        "ep": parallel_state.get_expert_model_parallel_group(),
                        "esp": parallel_state.get_expert_tensor_parallel_group()}

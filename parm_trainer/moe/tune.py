@@ -2,9 +2,9 @@
 
 The default run (no Parm flag) is auto with the pipeline depth chosen too. Given a profile
 (--moe-parm-cost-profile), the cost model chooses (auto.py). Without one, every rank builds
-this job's MoE layer under each candidate (s1 and s2, or the schedule given, at depths 1, 2 and
-4, or the depth given; those the layout admits), times a few forward + backward passes on random tokens of the real shape
-on the real process groups, and takes the fastest (the max over ranks of the median, so every
+this job's MoE layer under each candidate (s1 and s2, or the schedule given, at depths 1, 2
+and 4, or the depth given; those the layout admits), times a few forward + backward passes on
+random tokens of the real shape on the real process groups, and takes the fastest (the max over ranks of the median, so every
 rank makes the same choice). That takes seconds. The result is cached in a JSON file
 (--moe-parm-tune-cache, default $PARM_TRAINER_CACHE_DIR or ~/.cache/parm_trainer, file
 moe_tune.json) under a key naming the cluster (world size, ranks per node, backend, device,
@@ -24,7 +24,6 @@ import time
 
 import torch
 
-DEPTHS = (1, 2, 4)
 WARMUP, TIMED = 1, 3
 
 
@@ -132,9 +131,7 @@ def _measure(args, candidates) -> dict:
 
     from parm_trainer.models.config import transformer_config
 
-    trial = copy.copy(args)
-    trial.moe_parm_schedule = "s1"
-    config = transformer_config(trial)
+    config = transformer_config(args)
     scale = MoEAuxLossAutoScaler.main_loss_backward_scale
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     model_parallel_cuda_manual_seed(args.seed)

@@ -19,8 +19,8 @@ from parm_trainer.compat import cpu
 from parm_trainer.data.tokenizer import build_tokenizer
 from parm_trainer.models.config import padded_vocab_size
 from parm_trainer.moe.auto import resolve_auto_schedule
-from parm_trainer.moe.tune import tune_at_startup
 from parm_trainer.moe.cost_model import ProfileError
+from parm_trainer.moe.tune import tune_at_startup
 from parm_trainer.parallel import LayoutError, initialize_distributed, validate_layout
 
 

@@ -24,13 +24,21 @@ def _model_group(parser):
     g.add_argument("--ffn-hidden-size", type=int, default=None,
                    help="Dense MLP hidden size (default 4 x hidden size).")
     g.add_argument("--num-attention-heads", type=int, default=4, help="Attention heads.")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="Grouped-query attention: --num-query-groups key/value heads.")
+    g.add_argument("--num-query-groups", type=int, default=1,
+                   help="Key/value heads with --group-query-attention.")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="Channels per attention head (default hidden size / heads).")
     g.add_argument("--seq-length", type=int, default=128, help="Tokens per sample.")
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="Learned position table size (default: --seq-length).")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"],
                    default="learned_absolute", help="Position encoding.")
+    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base (theta).")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
                    help="Norm layer type.")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of the norms.")
     g.add_argument("--swiglu", action="store_true", help="SwiGLU activation in MLPs.")
     g.add_argument("--disable-bias-linear", action="store_true",
                    help="No biases in linear layers (experts included).")
@@ -157,6 +165,19 @@ def _eval_ckpt_log_group(parser):
     g.add_argument("--load", default=None, help="Checkpoint directory to resume from.")
     g.add_argument("--save-interval", type=int, default=None, help="Save every n iterations.")
     g.add_argument("--no-load-optim", action="store_true", help="Load weights only.")
+    g.add_argument("--finetune", action="store_true",
+                   help="Load the weights only and start at iteration 0 (no optimizer, LR "
+                        "schedule, RNG or data position from the checkpoint).")
+    g.add_argument("--no-load-rng", action="store_true",
+                   help="Start the RNG streams from --seed instead of the checkpoint's.")
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="Save the distributed optimizer's state per parameter (loads under any "
+                        "layout; on by default here). --no-...: megatron-core's dp_reshardable "
+                        "buffers, which load only under the same TP/PP/EP/ESP.")
+    g.add_argument("--distrib-optim-fully-reshardable-mem-efficient", action="store_true",
+                   help="Gather the optimizer state for a save on data-parallel rank 0 only "
+                        "(less memory, a slower save).")
     g.add_argument("--log-interval", type=int, default=10, help="Log every n iterations.")
     g.add_argument("--tensorboard-dir", default=None, help="Write tensorboard events here.")
     g.add_argument("--wandb-project", default=None, help="Log to this wandb project.")

@@ -43,9 +43,16 @@ def validate_layout(args: argparse.Namespace) -> None:
     _require(args.num_attention_heads % tp == 0,
              f"--num-attention-heads {args.num_attention_heads} is not divisible by "
              f"--tensor-model-parallel-size {tp}")
-    _require(args.hidden_size % args.num_attention_heads == 0,
+    _require(args.kv_channels or args.hidden_size % args.num_attention_heads == 0,
              f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
-             f"{args.num_attention_heads}")
+             f"{args.num_attention_heads} (or give --kv-channels)")
+    if args.group_query_attention:
+        groups = args.num_query_groups
+        _require(args.num_attention_heads % groups == 0,
+                 f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                 f"--num-query-groups {groups}")
+        _require(groups % tp == 0, f"--num-query-groups {groups} is not divisible by "
+                                   f"--tensor-model-parallel-size {tp}")
     _require(args.ffn_hidden_size % tp == 0,
              f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
              f"--tensor-model-parallel-size {tp}")

@@ -16,7 +16,10 @@ if [ $# -lt 1 ]; then
     echo "usage: bash scripts/launch.sh SCRIPT [ARGS...]" >&2
     exit 2
 fi
-PYTHON=${PYTHON:-python}
+# the project's environment (make setup) when there is one
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python; fi
+fi
 
 exec "$PYTHON" -m torch.distributed.run \
     --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \

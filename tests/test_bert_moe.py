@@ -120,6 +120,26 @@ def test_resume_is_exact(bert_data, tmp_path):
             assert abs(a - b) <= 1e-6, f"{name} at iteration {step}: straight {a}, resumed {b}"
 
 
+def test_resume_under_another_layout(bert_data, tmp_path):
+    """Saved at iteration 4 under TP2 x EP2 x ESP2 + SP, resumed under PP2 x EP2: iterations
+    5-8 give the losses of the run that went on (dropout off)."""
+    saved = {**TP2_EP2_ESP2, "sequence-parallel": True, "use-distributed-optimizer": True,
+             "lr-warmup-iters": 3, "train-iters": 8}
+    ckpt = tmp_path / "ckpt"
+    straight = launch(4, tiny_gpt_args(bert_data, **saved, **{"save": ckpt, "save-interval": 4}),
+                      tmp_path, script=BERT)
+    assert straight.returncode == 0, straight.output[-4000:]
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("4")
+    other = {"pipeline-model-parallel-size": 2, "expert-model-parallel-size": 2,
+             "use-distributed-optimizer": True, "lr-warmup-iters": 3, "train-iters": 8}
+    resumed = launch(4, tiny_gpt_args(bert_data, **other, load=ckpt), tmp_path, script=BERT)
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert "RNG streams not restored" in resumed.output
+    assert [r["iteration"] for r in resumed.losses] == list(range(5, 9))
+    for name in ("lm loss", "sop loss", "load_balancing_loss"):
+        assert max_relative(resumed.loss(name), straight.loss(name)[4:]) <= 1e-4, name
+
+
 def test_tokenizer_without_bert_tokens(bert_data, tmp_path):
     lines = (bert_data["dir"] / "corpus.jsonl").read_text().splitlines()[:50]
     sentencepiece.SentencePieceTrainer.train(

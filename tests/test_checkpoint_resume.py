@@ -2,12 +2,19 @@
 
 Dropout is on, so the RNG streams must be restored too; the distributed optimizer's state
 goes through dist_checkpointing's resharding format; the data sampler restarts from the saved
-sample count.
+sample count. A checkpoint loads under any other layout with the same losses (dropout off),
+and one of another model is refused naming the tensor.
 """
 
+import json
 import os
+import re
 
-from conftest import launch, tiny_gpt_args
+import pytest
+
+import parm_trainer
+from conftest import assert_clean_failure, launch, max_relative, tiny_gpt_args
+from parm_trainer.training.checkpointing import read_description
 
 
 def test_resume_is_exact(gpt_data, tmp_path):
@@ -35,3 +42,102 @@ def test_resume_is_exact(gpt_data, tmp_path):
     assert len(both) == 20
     for step, (a, b) in enumerate(zip(straight.loss(), both), start=1):
         assert abs(a - b) <= 1e-6, f"iteration {step}: straight {a} vs resumed {b}"
+
+
+# --- resume under another layout -----------------------------------------------------------
+
+SAVED_LAYOUT = {"tensor-model-parallel-size": 2, "expert-model-parallel-size": 2,
+                "expert-tensor-parallel-size": 2, "sequence-parallel": True,
+                "use-distributed-optimizer": True}
+SCHEDULE = {"lr-warmup-iters": 3, "lr-decay-iters": 20, "train-iters": 15}
+OTHER_LAYOUTS = {
+    "tp1_ep4": (4, {"expert-model-parallel-size": 4, "use-distributed-optimizer": True}),
+    "tp2_ep2_esp1": (4, {"tensor-model-parallel-size": 2, "expert-model-parallel-size": 2,
+                         "expert-tensor-parallel-size": 1, "use-distributed-optimizer": True}),
+    "pp2_ep2": (4, {"pipeline-model-parallel-size": 2, "expert-model-parallel-size": 2,
+                    "use-distributed-optimizer": True}),
+    "one_rank": (1, {"use-distributed-optimizer": True}),
+}
+
+
+@pytest.fixture(scope="module")
+def saved_at_10(gpt_data, tmp_path_factory):
+    """15 iterations under TP2 x EP2 x ESP2 + SP with the distributed optimizer, saved at 10;
+    the tracker then points at 10, as if the run had stopped there."""
+    tmp = tmp_path_factory.mktemp("saved_at_10")
+    ckpt = tmp / "ckpt"
+    run = launch(4, tiny_gpt_args(gpt_data, **SAVED_LAYOUT, **SCHEDULE,
+                                  **{"save": ckpt, "save-interval": 10}), tmp)
+    assert run.returncode == 0, run.output[-4000:]
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("10")
+    return ckpt, run
+
+
+def test_checkpoint_describes_the_run(saved_at_10, gpt_data):
+    ckpt, run = saved_at_10
+    assert re.search(r"saved checkpoint \S+iter_0000010 in \d+\.\d\d s", run.output), run.output
+    description = json.loads((ckpt / "iter_0000010" / "run.json").read_text())
+    assert description["version"] == parm_trainer.__version__
+    assert description["iteration"] == 10
+    assert description["layout"] == {"tp": 2, "pp": 1, "dp": 2, "ep": 2, "esp": 2, "world": 4}
+    assert description["args"]["hidden_size"] == 64 and description["args"]["num_experts"] == 4
+    copied = (ckpt / "iter_0000010" / "tokenizer.model").read_bytes()
+    assert copied == open(gpt_data["tokenizer"], "rb").read()
+    assert read_description(str(ckpt))["iteration"] == 10  # the parent finds the latest
+
+
+@pytest.mark.parametrize("name", OTHER_LAYOUTS)
+def test_resume_under_another_layout(name, saved_at_10, gpt_data, tmp_path):
+    """Model, Adam's moments and step, LR schedule and data position all carry over: the losses
+    of iterations 11-15 are those of the run that went on in the saved layout."""
+    ckpt, straight = saved_at_10
+    nproc, layout = OTHER_LAYOUTS[name]
+    run = launch(nproc, tiny_gpt_args(gpt_data, **layout, **SCHEDULE, load=ckpt), tmp_path)
+    assert run.returncode == 0, run.output[-4000:]
+    assert "resumed from" in run.output
+    assert "RNG streams not restored: the checkpoint was saved under TP2 PP1 DP2 EP2 ESP2" \
+        in run.output
+    assert [r["iteration"] for r in run.losses] == list(range(11, 16))
+    for key in ("lm loss", "load_balancing_loss"):
+        assert max_relative(run.loss(key), straight.loss(key)[10:]) <= 1e-4, key
+
+
+@pytest.mark.parametrize("nproc,flags,tensor,shapes", [
+    (4, {"hidden-size": 128, "tensor-model-parallel-size": 2, "expert-model-parallel-size": 2},
+     "embedding.word_embeddings.weight", "[2048, 64] in the checkpoint and [2048, 128]"),
+    (1, {"num-experts": 8}, "decoder.layers.mlp.router.weight",
+     "[2, 4, 64] in the checkpoint and [2, 8, 64]"),
+])
+def test_another_model_is_refused(nproc, flags, tensor, shapes, saved_at_10, gpt_data,
+                                  tmp_path):
+    ckpt, _ = saved_at_10
+    run = launch(nproc, tiny_gpt_args(gpt_data, **{"use-distributed-optimizer": True, **flags},
+                                      **SCHEDULE, load=ckpt), tmp_path)
+    assert_clean_failure(run, "does not fit this model", tensor, shapes)
+
+
+def test_optimizer_kind_must_match(saved_at_10, gpt_data, tmp_path):
+    """Distributed-optimizer state does not load into the plain optimizer: said in one line."""
+    ckpt, _ = saved_at_10
+    run = launch(1, tiny_gpt_args(gpt_data, **SCHEDULE, load=ckpt), tmp_path)
+    assert_clean_failure(run, "saved with --use-distributed-optimizer", "--no-load-optim")
+
+
+def test_dp_reshardable_is_refused_under_another_layout(gpt_data, tmp_path):
+    """megatron-core's dp_reshardable buffers only fit their own layout: refused with the
+    way out, and the weights alone still load anywhere."""
+    ckpt = tmp_path / "ckpt"
+    layout = {"expert-model-parallel-size": 2, "use-distributed-optimizer": True,
+              "train-iters": 2}
+    saved = launch(2, tiny_gpt_args(gpt_data, **layout, save=ckpt,
+                                    **{"no-dist-ckpt-optim-fully-reshardable": True}), tmp_path)
+    assert saved.returncode == 0, saved.output[-4000:]
+    other = {**layout, "tensor-model-parallel-size": 2, "expert-tensor-parallel-size": 1,
+             "train-iters": 3, "load": ckpt}
+    refused = launch(2, tiny_gpt_args(gpt_data, **other), tmp_path)
+    assert_clean_failure(refused, "dp_reshardable format under TP1 PP1 DP2 EP2 ESP1",
+                         "--no-load-optim")
+    weights_only = launch(2, tiny_gpt_args(gpt_data, **other, **{"no-load-optim": True}),
+                          tmp_path)
+    assert weights_only.returncode == 0, weights_only.output[-4000:]
+    assert [r["iteration"] for r in weights_only.losses] == [3]

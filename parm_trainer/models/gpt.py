@@ -66,4 +66,5 @@ def language_model_kwargs(args: argparse.Namespace, config: TransformerConfig,
 def build_gpt_moe(args: argparse.Namespace, config: TransformerConfig, vocab_size: int,
                   pre_process: bool = True, post_process: bool = True) -> GPTModel:
     return GPTModel(transformer_layer_spec=gpt_layer_spec(config, args),
+                    rotary_base=args.rotary_base,
                     **language_model_kwargs(args, config, vocab_size, pre_process, post_process))

@@ -2,7 +2,15 @@
 
 Layout on disk (Megatron-LM's):
     SAVE/iter_0000200/                    one dist_checkpointing directory per save
+    SAVE/iter_0000200/run.json            the run's description: version, layout, every flag
+    SAVE/iter_0000200/tokenizer.model     a copy of the tokenizer, so the directory is enough
     SAVE/latest_checkpointed_iteration.txt
+
+Every tensor is saved in its layout-free global shape (the model's by megatron-core; the
+distributed optimizer's in megatron-core's `fully_reshardable` format, one state tensor per
+parameter), so a checkpoint loads under any TP/EP/ESP/PP/DP. Loading is strict: before
+anything is read, every rank checks the checkpoint's tensor names and shapes against the model's,
+and all ranks raise the same error naming the first mismatch.
 
 A save is written to `iter_XXXXXXX.tmp`, and only once every rank has finished is it renamed
 and the tracker file replaced (os.replace is atomic). A crash mid-save leaves the previous
@@ -11,18 +19,30 @@ checkpoint marked latest and a stray .tmp directory that the next save removes.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import re
 import shutil
+import time
 from typing import Optional
 
 import torch
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTensor,
+                                                      ShardedTensorFactory)
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel import random as mrandom
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
+import parm_trainer
+
 TRACKER = "latest_checkpointed_iteration.txt"
-OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
+DESCRIPTION = "run.json"
+TOKENIZER = "tokenizer.model"
+# keys of optimizer state and RNG streams; every other tensor key belongs to the model
+_NOT_MODEL = re.compile(r"^(chained_\d+\.)?optimizer\.|^rng_state")
 
 
 class CheckpointError(RuntimeError):
@@ -43,6 +63,17 @@ def read_tracker(root: str) -> Optional[int]:
     return int(text)
 
 
+def layout() -> dict:
+    """This run's parallel layout, as the checkpoint records it."""
+    ps = parallel_state
+    return {"tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": ps.get_pipeline_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size(),
+            "ep": ps.get_expert_model_parallel_world_size(),
+            "esp": ps.get_expert_tensor_parallel_world_size(),
+            "world": torch.distributed.get_world_size()}
+
+
 def _rng_state() -> ShardedObject:
     """This rank's CPU/CUDA/tracker RNG states, gathered over data parallel (as Megatron-LM)."""
     state = {"cpu": torch.get_rng_state(),
@@ -61,34 +92,75 @@ def _rng_state() -> ShardedObject:
 
 
 def _restore_rng(gathered: list) -> None:
-    dp_rank = parallel_state.get_data_parallel_rank()
-    if len(gathered) != parallel_state.get_data_parallel_world_size():
-        return  # saved under another data-parallel size: dropout streams cannot carry over
-    state = gathered[dp_rank]
+    state = gathered[parallel_state.get_data_parallel_rank()]
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     mrandom.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _sharded_state(model, optimizer, scheduler, extra: dict, with_optimizer: bool,
-                   is_loading: bool) -> dict:
+def _optimizer_metadata(fully_reshardable: bool, mem_efficient: bool = False) -> dict:
+    return {"distrib_optim_sharding_type":
+            "fully_reshardable" if fully_reshardable else "dp_reshardable",
+            "distrib_optim_fully_reshardable_mem_efficient": mem_efficient}
+
+
+def _sharded_state(model, optimizer, scheduler, extra: dict, optimizer_metadata: Optional[dict],
+                   is_loading: bool, with_rng: bool = True) -> dict:
+    """What dist_checkpointing saves or loads; optimizer_metadata None leaves the optimizer out."""
     state = dict(extra)
     model_state = {}
     for index, chunk in enumerate(model):
         key = "model" if len(model) == 1 else f"model{index}"
         state[key] = getattr(chunk, "module", chunk).sharded_state_dict()  # without DDP's prefix
         model_state.update(state[key])
-    if with_optimizer:
+    if optimizer_metadata is not None:
         state["optimizer"] = optimizer.sharded_state_dict(
-            model_state, is_loading=is_loading, metadata=OPTIMIZER_SHARDING)
+            model_state, is_loading=is_loading, metadata=optimizer_metadata)
         state["opt_param_scheduler"] = scheduler.state_dict()
-    state["rng_state"] = _rng_state()
+    if with_rng:
+        state["rng_state"] = _rng_state()
     return state
 
 
+def _json_safe(value):
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return str(value)  # torch dtypes and the like
+
+
+def describe_run(args, iteration: int) -> dict:
+    """The run.json of a checkpoint: enough for a tool to rebuild the model from the directory."""
+    return {"format": "parm_trainer checkpoint", "version": parm_trainer.__version__,
+            "iteration": iteration, "layout": layout(),
+            "args": {k: _json_safe(v) for k, v in sorted(vars(args).items())}}
+
+
+def read_description(path: str) -> dict:
+    """run.json of a checkpoint directory (an iteration directory or its parent)."""
+    if os.path.isfile(os.path.join(path, TRACKER)):
+        iteration = read_tracker(path)
+        path = iteration_dir(path, iteration)
+    file = os.path.join(path, DESCRIPTION)
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{path} is not a parm_trainer checkpoint (no {DESCRIPTION})")
+    return json.load(open(file))
+
+
+def _write_description(args, iteration: int, directory: str) -> None:
+    with open(os.path.join(directory, DESCRIPTION), "w") as f:
+        json.dump(describe_run(args, iteration), f, indent=1)
+    tokenizer = getattr(args, "tokenizer_model", None)
+    if tokenizer and os.path.isfile(tokenizer):
+        shutil.copyfile(tokenizer, os.path.join(directory, TOKENIZER))
+
+
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
-                    consumed_train_samples: int) -> str:
+                    consumed_train_samples: int, args) -> tuple:
+    """Write SAVE/iter_N whole or not at all; returns (its path, seconds taken)."""
+    start = time.perf_counter()
     rank = torch.distributed.get_rank()
     final, tmp = iteration_dir(root, iteration), iteration_dir(root, iteration) + ".tmp"
     if rank == 0:
@@ -97,11 +169,15 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
         os.makedirs(tmp)
     torch.distributed.barrier()
     extra = {"iteration": iteration, "consumed_train_samples": consumed_train_samples,
-             "adam_step": adam_step(optimizer)}
-    state = _sharded_state(model, optimizer, scheduler, extra, True, is_loading=False)
-    dist_checkpointing.save(state, tmp)
+             "adam_step": adam_step(optimizer), "layout": layout(),
+             "distributed_optimizer": _is_distributed(optimizer)}
+    metadata = _optimizer_metadata(args.dist_ckpt_optim_fully_reshardable,
+                                   args.distrib_optim_fully_reshardable_mem_efficient)
+    state = _sharded_state(model, optimizer, scheduler, extra, metadata, is_loading=False)
+    dist_checkpointing.save(state, tmp, content_metadata=metadata)
     torch.distributed.barrier()
     if rank == 0:
+        _write_description(args, iteration, tmp)  # after: megatron wants an empty directory
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         tracker_tmp = os.path.join(root, TRACKER + ".tmp")
@@ -111,7 +187,12 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
             os.fsync(f.fileno())
         os.replace(tracker_tmp, os.path.join(root, TRACKER))
     torch.distributed.barrier()
-    return final
+    return final, time.perf_counter() - start
+
+
+def _is_distributed(optimizer) -> bool:
+    return any(isinstance(inner, DistributedOptimizer)
+               for inner in getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def _adam_optimizers(optimizer):
@@ -149,6 +230,41 @@ def _set_adam_state(optimizer, step: int, placeholders: bool) -> None:
                     state["step"] = torch.tensor(float(step))
 
 
+@contextlib.contextmanager
+def _step_kept_apart(optimizer):
+    """Without Apex/TE, megatron-core's fully_reshardable load breaks on torch's Adam.
+
+    DistributedOptimizer.load_state_dict first puts a 'step' into every parameter's Adam state
+    (for torch's optimizer), then _set_main_param_and_optimizer_states copies each state tensor
+    of that dict from the checkpoint, which has no 'step': KeyError. While loading, each
+    distributed optimizer copies only the tensors the checkpoint has; _set_adam_state writes
+    the step afterwards.
+    """
+    patched = []
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        original = getattr(inner, "_set_main_param_and_optimizer_states", None)
+        if original is None:
+            continue
+
+        def set_states(model_param, tensors, inner=inner, original=original):
+            group, order = inner.model_param_group_index_map[model_param]
+            state = inner.optimizer.state[inner.optimizer.param_groups[group]["params"][order]]
+            step = state.pop("step", None)
+            try:
+                original(model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        inner._set_main_param_and_optimizer_states = set_states
+        patched.append(inner)
+    try:
+        yield
+    finally:
+        for inner in patched:
+            del inner._set_main_param_and_optimizer_states
+
+
 def _describe(error: BaseException) -> str:
     failures = getattr(error, "failures", None)  # CheckpointException: rank -> exception
     if failures:
@@ -159,23 +275,123 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}"
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler, load_optimizer: bool = True):
-    """Load the latest checkpoint under `root` in place; returns (iteration, consumed samples).
+def _tensor_shapes(state: dict) -> dict:
+    """key -> global shape of every tensor a sharded state dict saves or loads."""
+    shapes = {}
+    for value in nested_values(state):
+        built = nested_values(value.build()) if isinstance(value, ShardedTensorFactory) else [value]
+        for tensor in built:
+            if isinstance(tensor, ShardedTensor):
+                shapes[tensor.key] = tuple(tensor.global_shape)
+    return shapes
 
-    Raises CheckpointError, identically on every rank, when it cannot.
+
+def _misfit(template: dict, path: str) -> Optional[str]:
+    """The first tensor where the checkpoint and this model disagree, the same on every rank.
+
+    Every rank compares its part of the model (and optimizer) with the checkpoint's metadata;
+    the ranks then share their first problem and their model keys, so a checkpoint tensor that no
+    rank's model has (dist_checkpointing's default would ignore it) is found too."""
+    saved = {key: tuple(meta.global_shape)
+             for key, meta in dist_checkpointing.load_tensors_metadata(path).items()}
+    wanted = _tensor_shapes(template)
+    problem = None
+    for key, shape in wanted.items():
+        if key not in saved:
+            problem = f"this run's tensor {key} {list(shape)} is not in the checkpoint"
+        elif saved[key] != shape:
+            problem = (f"tensor {key} has shape {list(saved[key])} in the checkpoint and "
+                       f"{list(shape)} in this model")
+        if problem:
+            break
+    model_keys = {key for key in wanted if not _NOT_MODEL.match(key)}
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, (problem, model_keys))
+    problems = [p for p, _ in gathered if p]
+    if problems:
+        return problems[0]
+    every_model_key = set().union(*(keys for _, keys in gathered))
+    extra = sorted(k for k in saved if not _NOT_MODEL.match(k) and k not in every_model_key)
+    if extra:
+        return (f"the checkpoint's tensor {extra[0]} {list(saved[extra[0]])} is not in this "
+                f"model ({len(extra)} such)")
+    return None
+
+
+def _layout_text(lay: Optional[dict]) -> str:
+    if not lay:
+        return "an unrecorded layout"
+    return " ".join(f"{k.upper()}{lay[k]}" for k in ("tp", "pp", "dp", "ep", "esp"))
+
+
+def _what_to_load(common: dict, path: str, optimizer, load_optimizer: bool, load_rng: bool):
+    """(load the optimizer?, load the RNG streams?, notes for the log) for this run; raises
+    where the optimizer state asked for cannot fit."""
+    notes = []
+    saved_layout, now = common.get("layout"), layout()
+    same_layout = saved_layout == now
+    if load_optimizer and not common.get("with_optimizer", True):
+        load_optimizer = False
+        notes.append("the checkpoint holds weights only: the optimizer starts afresh")
+    sharding = (dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
+                ).get("distrib_optim_sharding_type", "dp_reshardable")
+    distributed = _is_distributed(optimizer)
+    if load_optimizer and common.get("distributed_optimizer", distributed) != distributed:
+        was, is_ = ("with", "without") if not distributed else ("without", "with")
+        raise CheckpointError(
+            f"--load {path}: its optimizer state was saved {was} --use-distributed-optimizer "
+            f"and this run is {is_} it; resume {was} it (under any layout), "
+            f"or add --no-load-optim")
+    if load_optimizer and distributed and not same_layout and sharding == "dp_reshardable":
+        raise CheckpointError(
+            f"--load {path}: its distributed-optimizer state was saved in megatron-core's "
+            f"dp_reshardable format under {_layout_text(saved_layout)}, which loads only under "
+            f"that layout (this run: {_layout_text(now)}); resume there, or add --no-load-optim")
+    with_rng = load_rng and same_layout and common.get("with_rng", True)
+    if load_rng and not with_rng:
+        why = (f"the checkpoint was saved under {_layout_text(saved_layout)}, this run is "
+               f"{_layout_text(now)}" if not same_layout else "the checkpoint has none")
+        notes.append(f"RNG streams not restored: {why}; dropout streams start afresh from "
+                     f"--seed")
+    return load_optimizer, with_rng, notes
+
+
+def load_checkpoint(root: str, model, optimizer, scheduler, load_optimizer: bool = True,
+                    load_rng: bool = True):
+    """Load the latest checkpoint under `root` in place, under any layout.
+
+    Returns (iteration, consumed samples, notes): notes are lines for the log (e.g. why the RNG
+    streams were not restored). Raises CheckpointError, identically on every rank, when it
+    cannot.
     """
     iteration = read_tracker(root)
     if iteration is None:
         raise CheckpointError(f"--load {root}: no {TRACKER} (no checkpoint was finished there)")
     path = iteration_dir(root, iteration)
     if not os.path.isfile(os.path.join(path, "metadata.json")):
-        raise CheckpointError(f"--load {root}: {path} is missing or incomplete")
+        raise CheckpointError(f"--load {path} is missing or incomplete")
     try:
-        step = int(dist_checkpointing.load_common_state_dict(path).get("adam_step", 0))
-        if load_optimizer:
-            _set_adam_state(optimizer, step, placeholders=True)
-        template = _sharded_state(model, optimizer, scheduler, {}, load_optimizer,
-                                  is_loading=True)
+        common = dist_checkpointing.load_common_state_dict(path)
+    except (Exception, CheckpointException) as error:
+        raise CheckpointError(f"--load {path}: cannot read checkpoint ({_describe(error)})"
+                              ) from error
+    load_optimizer, with_rng, notes = _what_to_load(common, path, optimizer, load_optimizer,
+                                                    load_rng)
+    metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
+    step = int(common.get("adam_step", 0))
+    if load_optimizer:
+        _set_adam_state(optimizer, step, placeholders=True)
+    template = _sharded_state(model, optimizer, scheduler, {},
+                              metadata if load_optimizer else None, is_loading=True,
+                              with_rng=with_rng)
+    try:
+        problem = _misfit(template, path)
+    except (Exception, CheckpointException) as error:
+        raise CheckpointError(f"--load {path}: cannot read checkpoint ({_describe(error)})"
+                              ) from error
+    if problem:
+        raise CheckpointError(f"--load {path} does not fit this model: {problem}")
+    try:
         loaded = dist_checkpointing.load(template, path)
     except (Exception, CheckpointException) as error:  # many kinds; one clear message
         raise CheckpointError(f"--load {path}: cannot read checkpoint ({_describe(error)})"
@@ -186,9 +402,10 @@ def load_checkpoint(root: str, model, optimizer, scheduler, load_optimizer: bool
     if load_optimizer:
         # In fp32 the distributed optimizer's main params are views of the model's leaf params;
         # its in-place copies need no_grad (with bf16 they are separate fp32 tensors).
-        with torch.no_grad():
+        with torch.no_grad(), _step_kept_apart(optimizer):
             optimizer.load_state_dict(loaded["optimizer"])
         _set_adam_state(optimizer, step, placeholders=False)
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    _restore_rng(loaded["rng_state"])
-    return int(loaded["iteration"]), int(loaded["consumed_train_samples"])
+    if with_rng:
+        _restore_rng(loaded["rng_state"])
+    return int(common["iteration"]), int(common["consumed_train_samples"]), notes

@@ -1,7 +1,8 @@
 """Model FLOPs per iteration, counting only the parameters a token activates.
 
-Per token and layer, forward:  2 * (4 h^2)                      attention projections (q,k,v,o)
-                             + 4 * s * h                        scores QK^T and weighted sum of V
+Per token and layer, forward:  2 * h * d * (2 n + 2 g_kv)        attention projections (q,o: n heads
+                                                                of d channels; k,v: g_kv groups)
+                             + 4 * s * n * d                    scores QK^T and weighted sum of V
                              + 2 * h * E                        router (MoE layers)
                              + 2 * k * g * h * H                k active experts (g = 3 with SwiGLU,
                                                                 2 otherwise); dense MLP: k=1, H=F
@@ -18,7 +19,10 @@ def flops_per_iteration(args, vocab_size: int | None = None) -> float:
     h, s, L = args.hidden_size, args.seq_length, args.num_layers
     vocab = vocab_size or getattr(args, "padded_vocab_size", 0) or 0
     gated = 3 if args.swiglu else 2
-    per_layer_common = 2 * 4 * h * h + 4 * s * h
+    heads = args.num_attention_heads
+    d = getattr(args, "kv_channels", None) or h // heads
+    groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
+    per_layer_common = 2 * h * d * (2 * heads + 2 * groups) + 4 * s * heads * d
     dense_mlp = 2 * gated * h * args.ffn_hidden_size
     moe_layers = num_moe_layers(args)
     moe_mlp = 2 * h * (args.num_experts or 0) + 2 * args.moe_router_topk * gated * h * (

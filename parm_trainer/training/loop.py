@@ -94,10 +94,18 @@ class Trainer:
         if checkpointing.read_tracker(args.load) is None:
             print_rank_0(f"no checkpoint in --load {args.load}: starting from scratch")
             return
-        self.iteration, self.consumed = checkpointing.load_checkpoint(
+        self.iteration, self.consumed, notes = checkpointing.load_checkpoint(
             args.load, self.model, self.optimizer, self.scheduler,
-            load_optimizer=not args.no_load_optim)
-        print_rank_0(f"resumed from {args.load} at iteration {self.iteration}")
+            load_optimizer=not (args.no_load_optim or args.finetune),
+            load_rng=not (args.no_load_rng or args.finetune))
+        for note in notes:
+            print_rank_0(note)
+        if args.finetune:
+            print_rank_0(f"finetuning from the weights of {args.load} (iteration "
+                         f"{self.iteration}), starting at iteration 0")
+            self.iteration, self.consumed = 0, 0
+        else:
+            print_rank_0(f"resumed from {args.load} at iteration {self.iteration}")
 
     def _num_samples(self):
         a = self.args
@@ -154,9 +162,10 @@ class Trainer:
 
     def save(self):
         if self.args.save:
-            path = checkpointing.save_checkpoint(self.args.save, self.iteration, self.model,
-                                                 self.optimizer, self.scheduler, self.consumed)
-            print_rank_0(f"saved checkpoint {path}")
+            path, seconds = checkpointing.save_checkpoint(
+                self.args.save, self.iteration, self.model, self.optimizer, self.scheduler,
+                self.consumed, self.args)
+            print_rank_0(f"saved checkpoint {path} in {seconds:.2f} s")
 
     def _log(self, metrics: dict, seconds_per_iter: float):
         a = self.args

@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt torch
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,hf]"
 	touch $@
 
 setup: $(VENV)/.installed

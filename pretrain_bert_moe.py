@@ -22,20 +22,11 @@ import torch.nn.functional as F
 from parm_trainer.data.bert_datasets import (build_bert_datasets, check_bert_tokenizer,
                                              check_sentence_level)
 from parm_trainer.data.gpt_datasets import parse_data_path
+from parm_trainer.arguments import add_bert_args
 from parm_trainer.models.bert import build_bert_moe
 from parm_trainer.training.data import batch_to_device
 from parm_trainer.training.initialize import InputError, initialize, user_errors
 from parm_trainer.training.loop import pretrain
-
-
-def add_bert_args(parser):
-    g = parser.add_argument_group("BERT")
-    g.add_argument("--bert-no-binary-head", action="store_false", dest="bert_binary_head",
-                   help="No sentence-order head (and no token types): masked LM only.")
-    g.add_argument("--mask-prob", type=float, default=0.15,
-                   help="Share of tokens masked for the masked-LM loss.")
-    g.add_argument("--short-seq-prob", type=float, default=0.1,
-                   help="Probability of a sample shorter than --seq-length.")
 
 
 def check_bert_inputs(args):
@@ -92,6 +83,7 @@ def forward_step(data_iterator, model, binary_head=True):
 def main(argv=None):
     with user_errors():
         args = initialize(argv, add_bert_args, check_bert_inputs)
+        args.model_family = "bert"  # what its checkpoints' run.json says
         losses = ("lm loss", "sop loss", "sop accuracy") if args.bert_binary_head else ("lm loss",)
         pretrain(args, model_provider, datasets_provider,
                  partial(forward_step, binary_head=args.bert_binary_head), losses)

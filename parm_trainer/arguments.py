@@ -187,6 +187,43 @@ def _eval_ckpt_log_group(parser):
                    help="Write every iteration's losses to this JSON file (rank 0).")
 
 
+def add_bert_args(parser):
+    g = parser.add_argument_group("BERT")
+    g.add_argument("--bert-no-binary-head", action="store_false", dest="bert_binary_head",
+                   help="No sentence-order head (and no token types): masked LM only.")
+    g.add_argument("--mask-prob", type=float, default=0.15,
+                   help="Share of tokens masked for the masked-LM loss.")
+    g.add_argument("--short-seq-prob", type=float, default=0.1,
+                   help="Probability of a sample shorter than --seq-length.")
+
+
+def model_argument_names() -> set:
+    """The flags (as attribute names) that define a model and its tokenizer: what a checkpoint's
+    run.json gives the tools that rebuild it. The MoE schedule flags are not among them."""
+    parser = build_parser()
+    names = {"tokenizer_type"}
+    for group in parser._action_groups:
+        if group.title in ("model", "mixture of experts"):
+            names |= {action.dest for action in group._group_actions}
+    return {name for name in names if not name.startswith("moe_parm")}
+
+
+def command_line(values: dict, extra_args_provider=None) -> list:
+    """The flags that give these attribute values (those that differ from the defaults)."""
+    flags = []
+    for action in build_parser(extra_args_provider)._actions:
+        if action.dest not in values or not action.option_strings:
+            continue
+        value, option = values[action.dest], action.option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction):
+            flags += [option] if value else []
+        elif isinstance(action, argparse._StoreFalseAction):
+            flags += [] if value else [option]
+        elif value is not None and value != action.default:
+            flags += [option, str(value)]
+    return flags
+
+
 class ArgumentsError(ValueError):
     """Flags that contradict each other; the message names them."""
 

@@ -27,6 +27,12 @@ MODEL_ARGS=(
     --max-position-embeddings "${SEQ:-128}" --disable-bias-linear
     --hidden-dropout 0.0 --attention-dropout 0.0
 )
+# ARCH=mixtral (GPT's default): RMSNorm, SwiGLU, RoPE, as Mixtral (it exports to Hugging Face);
+# ARCH=gpt2 (BERT's default): LayerNorm, GELU, learned positions
+ARCH=${ARCH:-$([ "$PRETRAIN" = pretrain_gpt_moe.py ] && echo mixtral || echo gpt2)}
+if [ "$ARCH" = mixtral ]; then
+    MODEL_ARGS+=(--normalization RMSNorm --swiglu --position-embedding-type rope)
+fi
 MOE_ARGS=(
     --num-experts "$NUM_EXPERTS" --moe-router-topk "$TOPK"
     --moe-ffn-hidden-size "${MOE_FFN:-256}" --moe-aux-loss-coeff 0.01

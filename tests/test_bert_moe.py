@@ -7,17 +7,22 @@ layout at once: masked-LM loss, sentence-order loss and accuracy, the
 router's load-balancing loss and the tokens each expert received.
 """
 
+import json
+import subprocess
+import sys
 import warnings
 
 import numpy
 import pytest
 import sentencepiece
+import torch
 
-from conftest import assert_clean_failure, launch, max_relative, run_tool, tiny_gpt_args
+from conftest import ROOT, assert_clean_failure, launch, max_relative, run_tool, tiny_gpt_args
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # megatron.core: optional GPU extensions missing
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+    from safetensors.torch import load_file
 
     from parm_trainer.data.bert_datasets import DataError, build_bert_datasets
     from parm_trainer.data.tokenizer import build_tokenizer
@@ -138,6 +143,72 @@ def test_resume_under_another_layout(bert_data, tmp_path):
     assert [r["iteration"] for r in resumed.losses] == list(range(5, 9))
     for name in ("lm loss", "sop loss", "load_balancing_loss"):
         assert max_relative(resumed.loss(name), straight.loss(name)[4:]) <= 1e-4, name
+
+    # no Hugging Face class holds an MoE BERT: it exports as documented safetensors + config,
+    # which import back bit for bit and train (weights only, iteration 0)
+    exported, imported, again = (tmp_path / name for name in ("bert_hf", "imported", "again"))
+    reports = [run_tool("tools/checkpoint/convert.py", "--loader", loader, "--saver", saver,
+                        "--load-dir", source, "--save-dir", target).stdout
+               for loader, saver, source, target in (("parm", "hf", ckpt, exported),
+                                                     ("hf", "parm", exported, imported),
+                                                     ("parm", "hf", imported, again))]
+    assert json.loads((exported / "config.json").read_text())["model_type"] == \
+        "parm_trainer_bert_moe"
+    first, second = (load_file(d / "model.safetensors") for d in (exported, again))
+    assert sorted(first) == sorted(second) and all(torch.equal(first[k], second[k])
+                                                   for k in first)
+    printed = next(line for line in reports[1].splitlines() if "pretrain_bert_moe.py" in line)
+    flags = printed.split("pretrain_bert_moe.py", 1)[1].split("--data-path")[0].split()
+    trained = launch(1, tiny_gpt_args(bert_data, **{"train-iters": 1}) + flags, tmp_path,
+                     script=BERT)
+    assert trained.returncode == 0, trained.output[-4000:]
+    assert "holds weights only" in trained.output
+    assert trained.loss()[0] < straight.loss()[0] - 0.2  # the trained weights, batch 1
+
+
+
+_BERT_LOGITS = """
+import sys, torch
+from parm_trainer.convert.hf import load_one_rank
+model, _, _ = load_one_rank(sys.argv[1])
+tokens, types, mask = (torch.tensor(x) for x in eval(sys.argv[2]))
+with torch.no_grad():
+    lm, binary = model(tokens, mask, tokentype_ids=types)
+torch.save((lm, binary), sys.argv[3])
+"""
+
+
+def test_bert_without_moe_exports_to_megatron_bert(bert_data, tmp_path):
+    """A BERT with no MoE layers is what transformers' MegatronBertForPreTraining computes:
+    its masked-LM and sentence-order logits equal the project's (1e-4), padding included."""
+    ckpt, hf = tmp_path / "ckpt", tmp_path / "hf"
+    run = launch(1, tiny_gpt_args(bert_data, **{"num-experts": None, "train-iters": 2,
+                                               "save": ckpt}), tmp_path, script=BERT)
+    assert run.returncode == 0, run.output[-4000:]
+    run_tool("tools/checkpoint/convert.py", "--loader", "parm", "--saver", "hf",
+             "--load-dir", ckpt, "--save-dir", hf)
+    from transformers import MegatronBertForPreTraining
+
+    model, info = MegatronBertForPreTraining.from_pretrained(hf, dtype=torch.float32,
+                                                             output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(5, 1900, (3, 40), generator=generator)
+    types = (torch.arange(40) >= 20).long().expand(3, 40).contiguous()
+    mask = torch.ones(3, 40, dtype=torch.long)
+    mask[1, 30:] = 0  # a padded sample
+    inputs = repr([tokens.tolist(), types.tolist(), mask.tolist()])
+    result = subprocess.run([sys.executable, "-c", _BERT_LOGITS, str(ckpt), inputs,
+                             str(tmp_path / "logits.pt")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lm, binary = torch.load(tmp_path / "logits.pt")
+    with torch.no_grad():
+        theirs = model(tokens, attention_mask=mask, token_type_ids=types)
+    vocab = model.config.vocab_size
+    real = mask.bool()
+    assert (lm[..., :vocab][real] - theirs.prediction_logits[real]).abs().max() <= 1e-4
+    assert (binary - theirs.seq_relationship_logits).abs().max() <= 1e-4
 
 
 def test_tokenizer_without_bert_tokens(bert_data, tmp_path):

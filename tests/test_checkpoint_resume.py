@@ -1,4 +1,5 @@
-"""Resume is exact: 20 iterations straight equal 10 + save + resume + 10, on 4 ranks.
+"""Resume is exact: iterations 11-20 resumed from a save at 10 equal the straight run's, on 4
+ranks.
 
 Dropout is on, so the RNG streams must be restored too; the distributed optimizer's state
 goes through dist_checkpointing's resharding format; the data sampler restarts from the saved
@@ -22,25 +23,23 @@ def test_resume_is_exact(gpt_data, tmp_path):
               "expert-tensor-parallel-size": 2, "sequence-parallel": True,
               "use-distributed-optimizer": True, "hidden-dropout": 0.1,
               "attention-dropout": 0.1, "lr-warmup-iters": 3, "lr-decay-iters": 20}
-    straight = launch(4, tiny_gpt_args(gpt_data, **layout, **{"train-iters": 20}), tmp_path)
-    assert straight.returncode == 0, straight.output[-4000:]
-
     ckpt = tmp_path / "ckpt"
-    first = launch(4, tiny_gpt_args(gpt_data, **layout, **{"train-iters": 10,
-                                                           "save": ckpt}), tmp_path)
-    assert first.returncode == 0, first.output[-4000:]
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "10"
-    assert not [p for p in os.listdir(ckpt) if p.endswith(".tmp")]
+    straight = launch(4, tiny_gpt_args(gpt_data, **layout, **{"train-iters": 20, "save": ckpt,
+                                                              "save-interval": 10}), tmp_path)
+    assert straight.returncode == 0, straight.output[-4000:]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "20"
+    assert sorted(os.listdir(ckpt)) == ["iter_0000010", "iter_0000020",
+                                        "latest_checkpointed_iteration.txt"]  # no .tmp left
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("10")  # as if it stopped at 10
 
     resumed = launch(4, tiny_gpt_args(gpt_data, **layout, **{"train-iters": 20, "load": ckpt}),
                      tmp_path)
     assert resumed.returncode == 0, resumed.output[-4000:]
     assert "resumed from" in resumed.output
+    assert "RNG streams not restored" not in resumed.output
 
     assert [r["iteration"] for r in resumed.losses] == list(range(11, 21))
-    both = first.loss() + resumed.loss()
-    assert len(both) == 20
-    for step, (a, b) in enumerate(zip(straight.loss(), both), start=1):
+    for step, (a, b) in enumerate(zip(straight.loss()[10:], resumed.loss()), start=11):
         assert abs(a - b) <= 1e-6, f"iteration {step}: straight {a} vs resumed {b}"
 
 
@@ -124,8 +123,8 @@ def test_optimizer_kind_must_match(saved_at_10, gpt_data, tmp_path):
 
 
 def test_dp_reshardable_is_refused_under_another_layout(gpt_data, tmp_path):
-    """megatron-core's dp_reshardable buffers only fit their own layout: refused with the
-    way out, and the weights alone still load anywhere."""
+    """megatron-core's dp_reshardable buffers only fit their own layout: refused with the way
+    out (--no-load-optim)."""
     ckpt = tmp_path / "ckpt"
     layout = {"expert-model-parallel-size": 2, "use-distributed-optimizer": True,
               "train-iters": 2}
@@ -137,7 +136,32 @@ def test_dp_reshardable_is_refused_under_another_layout(gpt_data, tmp_path):
     refused = launch(2, tiny_gpt_args(gpt_data, **other), tmp_path)
     assert_clean_failure(refused, "dp_reshardable format under TP1 PP1 DP2 EP2 ESP1",
                          "--no-load-optim")
-    weights_only = launch(2, tiny_gpt_args(gpt_data, **other, **{"no-load-optim": True}),
-                          tmp_path)
-    assert weights_only.returncode == 0, weights_only.output[-4000:]
-    assert [r["iteration"] for r in weights_only.losses] == [3]
+
+
+def test_finetune_takes_the_weights_only(saved_at_10, gpt_data, tmp_path):
+    """--finetune: the weights of any checkpoint (here into the plain optimizer, which the
+    distributed optimizer's state cannot fill), iteration 0, a fresh optimizer and schedule."""
+    ckpt, straight = saved_at_10
+    run = launch(1, tiny_gpt_args(gpt_data, **{**SCHEDULE, "train-iters": 2}, load=ckpt,
+                                  finetune=True), tmp_path)
+    assert run.returncode == 0, run.output[-4000:]
+    assert "finetuning from the weights of" in run.output
+    assert [r["iteration"] for r in run.losses] == [1, 2]
+    # the same first batch as the saved run's iteration 1, on trained weights: a lower loss
+    assert run.loss()[0] < straight.loss()[0] - 0.2, (run.loss(), straight.loss())
+
+
+def test_plain_optimizer_resumes_under_another_layout(gpt_data, tmp_path):
+    """The plain (not distributed) optimizer's state is per parameter too: saved by EP2 on 2
+    ranks at iteration 4, resumed on 1 rank, iterations 5-6 are the run's that went on."""
+    ckpt = tmp_path / "ckpt"
+    flags = {"lr-warmup-iters": 2, "train-iters": 6}
+    straight = launch(2, tiny_gpt_args(gpt_data, **flags, **{"expert-model-parallel-size": 2,
+                                                             "save": ckpt, "save-interval": 4}),
+                      tmp_path)
+    assert straight.returncode == 0, straight.output[-4000:]
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("4")
+    resumed = launch(1, tiny_gpt_args(gpt_data, **flags, load=ckpt), tmp_path)
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert [r["iteration"] for r in resumed.losses] == [5, 6]
+    assert max_relative(resumed.loss(), straight.loss()[4:]) <= 1e-4

@@ -1,10 +1,7 @@
 """Save and resume with megatron-core's dist_checkpointing, never leaving a half checkpoint.
 
-Layout on disk (Megatron-LM's):
-    SAVE/iter_0000200/                    one dist_checkpointing directory per save
-    SAVE/iter_0000200/run.json            the run's description: version, layout, every flag
-    SAVE/iter_0000200/tokenizer.model     a copy of the tokenizer, so the directory is enough
-    SAVE/latest_checkpointed_iteration.txt
+The files on disk (Megatron-LM's layout, plus run.json and a tokenizer copy) are described in
+checkpoint_files.py.
 
 Every tensor is saved in its layout-free global shape (the model's by megatron-core; the
 distributed optimizer's in megatron-core's `fully_reshardable` format, one state tensor per
@@ -21,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -37,30 +35,12 @@ from megatron.core.tensor_parallel import random as mrandom
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 import parm_trainer
+from parm_trainer.training.checkpoint_files import (DESCRIPTION, TOKENIZER, TRACKER,  # noqa: F401
+                                                   CheckpointError, iteration_dir,
+                                                   read_description, read_tracker)
 
-TRACKER = "latest_checkpointed_iteration.txt"
-DESCRIPTION = "run.json"
-TOKENIZER = "tokenizer.model"
 # keys of optimizer state and RNG streams; every other tensor key belongs to the model
 _NOT_MODEL = re.compile(r"^(chained_\d+\.)?optimizer\.|^rng_state")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, unreadable or does not fit the model."""
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def read_tracker(root: str) -> Optional[int]:
-    path = os.path.join(root, TRACKER)
-    if not os.path.isfile(path):
-        return None
-    text = open(path).read().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"{path} should hold an iteration number, found {text!r}")
-    return int(text)
 
 
 def layout() -> dict:
@@ -134,19 +114,9 @@ def _json_safe(value):
 def describe_run(args, iteration: int) -> dict:
     """The run.json of a checkpoint: enough for a tool to rebuild the model from the directory."""
     return {"format": "parm_trainer checkpoint", "version": parm_trainer.__version__,
+            "model": getattr(args, "model_family", "gpt"),
             "iteration": iteration, "layout": layout(),
             "args": {k: _json_safe(v) for k, v in sorted(vars(args).items())}}
-
-
-def read_description(path: str) -> dict:
-    """run.json of a checkpoint directory (an iteration directory or its parent)."""
-    if os.path.isfile(os.path.join(path, TRACKER)):
-        iteration = read_tracker(path)
-        path = iteration_dir(path, iteration)
-    file = os.path.join(path, DESCRIPTION)
-    if not os.path.isfile(file):
-        raise CheckpointError(f"{path} is not a parm_trainer checkpoint (no {DESCRIPTION})")
-    return json.load(open(file))
 
 
 def _write_description(args, iteration: int, directory: str) -> None:
@@ -157,9 +127,24 @@ def _write_description(args, iteration: int, directory: str) -> None:
         shutil.copyfile(tokenizer, os.path.join(directory, TOKENIZER))
 
 
+def _results_queue_without_spawn() -> None:
+    """megatron-core's writer reports through a queue of a *spawned* multiprocessing manager
+    (dist_checkpointing/strategies/filesystem_async.py, _get_write_results_queue), made on a
+    process's first save: the spawned process imports the entry script's modules again, which
+    cost 4-10 s per rank on CPU. Saves here are synchronous (the queue is filled and read in
+    this process), so a forked manager, started in milliseconds, serves as well."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+
+
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
                     consumed_train_samples: int, args) -> tuple:
-    """Write SAVE/iter_N whole or not at all; returns (its path, seconds taken)."""
+    """Write SAVE/iter_N whole or not at all; returns (its path, seconds taken).
+
+    optimizer None: the weights alone (the converters' checkpoints), which load as a start
+    with a fresh optimizer."""
     start = time.perf_counter()
     rank = torch.distributed.get_rank()
     final, tmp = iteration_dir(root, iteration), iteration_dir(root, iteration) + ".tmp"
@@ -168,12 +153,16 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     torch.distributed.barrier()
+    whole = optimizer is not None
     extra = {"iteration": iteration, "consumed_train_samples": consumed_train_samples,
-             "adam_step": adam_step(optimizer), "layout": layout(),
-             "distributed_optimizer": _is_distributed(optimizer)}
+             "adam_step": adam_step(optimizer) if whole else 0, "layout": layout(),
+             "distributed_optimizer": _is_distributed(optimizer), "with_optimizer": whole,
+             "with_rng": whole}
     metadata = _optimizer_metadata(args.dist_ckpt_optim_fully_reshardable,
                                    args.distrib_optim_fully_reshardable_mem_efficient)
-    state = _sharded_state(model, optimizer, scheduler, extra, metadata, is_loading=False)
+    state = _sharded_state(model, optimizer, scheduler, extra, metadata if whole else None,
+                           is_loading=False, with_rng=whole)
+    _results_queue_without_spawn()
     dist_checkpointing.save(state, tmp, content_metadata=metadata)
     torch.distributed.barrier()
     if rank == 0:

@@ -1,0 +1,1 @@
+"""Checkpoint conversion: the project's checkpoints to and from Hugging Face transformers."""

@@ -1,0 +1,250 @@
+"""Export a GPT-MoE checkpoint to a Hugging Face Mixtral directory, and import one back.
+
+    export_to_hf("runs/demo/checkpoints", "runs/demo/hf")       # any layout in, one process
+    import_from_hf("runs/demo/hf", "runs/imported")             # a checkpoint any layout loads
+
+Both write into SAVE_DIR.partial and rename it to SAVE_DIR only when everything is written, so
+SAVE_DIR appears whole or not at all; an existing SAVE_DIR is refused before anything is done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import shutil
+
+import sentencepiece
+
+from parm_trainer.convert.bert import FORMAT as BERT_FORMAT
+from parm_trainer.convert.hf_tokenizer import save_hf_tokenizer
+from parm_trainer.convert.mixtral import (NotExportable, check_exportable, from_hf, hf_config,
+                                          model_flags, to_hf)
+from parm_trainer.training import checkpoint_files as files
+
+class ConvertError(ValueError):
+    """Input the converter cannot use; the message names it."""
+
+
+def _refuse_existing(save_dir: str) -> None:
+    if os.path.exists(save_dir):
+        raise ConvertError(f"--save-dir {save_dir} exists; give a directory that does not")
+
+
+@contextlib.contextmanager
+def written_whole(save_dir: str):
+    _refuse_existing(save_dir)
+    partial = save_dir.rstrip("/") + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    try:
+        yield partial
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    os.rename(partial, save_dir)
+
+
+def _latest(load_dir: str) -> str:
+    """The iteration directory --load-dir's tracker names."""
+    iteration = files.read_tracker(load_dir)
+    if iteration is None:
+        raise ConvertError(f"--load-dir {load_dir} is not a parm_trainer checkpoint directory "
+                           f"(no {files.TRACKER})")
+    return files.iteration_dir(load_dir, iteration)
+
+
+def load_one_rank(load_dir: str, **overrides):
+    """(model on one rank with the checkpoint's weights, its run.json, its tokenizer file)."""
+    path = _latest(load_dir)
+    description = files.read_description(path)
+    tokenizer = os.path.join(path, files.TOKENIZER)
+    from parm_trainer.convert.single_process import build_one_rank_model, one_rank_args
+    from parm_trainer.training import checkpointing  # torch, megatron-core: when needed
+
+    args = one_rank_args(description["args"], tokenizer_model=tokenizer, **overrides)
+    model = build_one_rank_model(args)
+    checkpointing.load_checkpoint(load_dir, [model], None, None, load_optimizer=False,
+                                  load_rng=False)
+    return model, description, tokenizer
+
+
+def export_to_hf(load_dir: str, save_dir: str) -> str:
+    _refuse_existing(save_dir)
+    description = files.read_description(_latest(load_dir))
+    args = description["args"]
+    if description.get("model", "gpt") == "bert":
+        return _export_bert(load_dir, save_dir, description)
+    check_exportable(args)
+    from safetensors.torch import save_file  # after the checks: a refusal is instant
+    from transformers import GenerationConfig, MixtralConfig
+
+    with written_whole(save_dir) as out:
+        from parm_trainer.convert.single_process import close
+
+        model, _, tokenizer = load_one_rank(load_dir)
+        try:
+            sp = sentencepiece.SentencePieceProcessor(model_file=tokenizer)
+            vocab = args.get("hf_vocab_size") or sp.vocab_size()
+            state = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
+            save_file(to_hf(state, args, vocab), os.path.join(out, "model.safetensors"),
+                      metadata={"format": "pt"})
+        finally:
+            close()
+        MixtralConfig(**hf_config(args, vocab, sp.bos_id(), sp.eos_id())).save_pretrained(out)
+        GenerationConfig(bos_token_id=sp.bos_id(), eos_token_id=sp.eos_id(),
+                         pad_token_id=max(sp.pad_id(), 0)).save_pretrained(out)
+        save_hf_tokenizer(tokenizer, out)
+        shutil.copyfile(tokenizer, os.path.join(out, "tokenizer.model"))  # for the way back
+    return save_dir
+
+
+def _export_bert(load_dir: str, save_dir: str, description: dict) -> str:
+    """A BERT without MoE layers -> MegatronBert; an MoE BERT -> convert/bert.py's format."""
+    from parm_trainer.convert import megatron_bert
+    from parm_trainer.convert.bert import export_bert
+    from parm_trainer.convert.single_process import close
+
+    args = description["args"]
+    dense = not args.get("num_experts")
+    if dense:
+        megatron_bert.check_exportable(args)
+    with written_whole(save_dir) as out:
+        model, _, tokenizer = load_one_rank(load_dir)
+        try:
+            if dense:
+                _write_megatron_bert(model, args, tokenizer, out)
+            else:
+                export_bert(model, description, tokenizer, out)
+        finally:
+            close()
+    return save_dir
+
+
+def _write_megatron_bert(model, args: dict, tokenizer: str, out: str) -> None:
+    from safetensors.torch import save_file
+    from transformers import MegatronBertConfig
+
+    from parm_trainer.convert import megatron_bert
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=tokenizer)
+    state = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
+    save_file(megatron_bert.to_hf(state, args, sp.vocab_size()),
+              os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    head = "MegatronBertForPreTraining" if args["bert_binary_head"] else "MegatronBertForMaskedLM"
+    MegatronBertConfig(architectures=[head], **megatron_bert.hf_config(
+        args, sp.vocab_size(), max(sp.pad_id(), 0))).save_pretrained(out)
+    save_hf_tokenizer(tokenizer, out)
+    shutil.copyfile(tokenizer, os.path.join(out, "tokenizer.model"))
+
+
+def _read_safetensors(load_dir: str) -> dict:
+    from safetensors import safe_open
+
+    paths = sorted(glob.glob(os.path.join(load_dir, "*.safetensors")))
+    if not paths:
+        raise ConvertError(f"--load-dir {load_dir} has no *.safetensors weights")
+    tensors = {}
+    for file in paths:
+        with safe_open(file, "pt") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def import_from_hf(load_dir: str, save_dir: str, tokenizer_model: str | None = None) -> tuple:
+    """Write a weights-only checkpoint (iteration 0) of a Mixtral (or convert/bert.py) directory;
+    returns (the entry script, the flags that build its model and load the checkpoint)."""
+    _refuse_existing(save_dir)
+    config_file = os.path.join(load_dir, "config.json")
+    if not os.path.isfile(config_file):
+        raise ConvertError(f"--load-dir {load_dir} is not a Hugging Face model directory "
+                           f"(no config.json)")
+    config = json.load(open(config_file))
+    if config.get("model_type") == BERT_FORMAT:
+        return _import_bert(load_dir, save_dir, config, tokenizer_model)
+    flags = model_flags(config)
+    tokenizer_model = tokenizer_model or os.path.join(load_dir, "tokenizer.model")
+    if not os.path.isfile(tokenizer_model):
+        raise ConvertError(f"{load_dir} has no tokenizer.model (SentencePiece): give "
+                           f"--tokenizer-model")
+    from parm_trainer.convert.single_process import build_one_rank_model, close, one_rank_args
+    from parm_trainer.models.config import padded_vocab_size
+    from parm_trainer.training import checkpointing
+
+    sp_vocab = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model).vocab_size()
+    hf_vocab = config["vocab_size"]
+    padded = padded_vocab_size(sp_vocab, 1)
+    if not sp_vocab <= hf_vocab <= padded:
+        raise ConvertError(
+            f"the tokenizer {tokenizer_model} has {sp_vocab} pieces and the model {hf_vocab} "
+            f"embedding rows; they must agree up to the padding to {padded}")
+    tensors = _read_safetensors(load_dir)
+    with written_whole(save_dir) as out:
+        values = {key.replace("-", "_"): value for key, value in flags.items()}
+        args = one_rank_args(values, tokenizer_model=tokenizer_model,
+                             padded_vocab_size=padded, hf_vocab_size=hf_vocab)
+        model = build_one_rank_model(args)
+        try:
+            _fill(model, from_hf(tensors, config, padded), tensors, args)
+            checkpointing.save_checkpoint(out, 0, [model], None, None, 0, args)
+        finally:
+            close()
+    command = [f"--{k}" if v is True else f"--{k} {v}" for k, v in flags.items()]
+    return "pretrain_gpt_moe.py", command + [
+        f"--tokenizer-model {save_dir}/iter_0000000/{files.TOKENIZER}", f"--load {save_dir}"]
+
+
+def _import_bert(load_dir: str, save_dir: str, config: dict, tokenizer_model) -> tuple:
+    """An MoE BERT directory (convert/bert.py) back into a checkpoint: every tensor by name."""
+    from parm_trainer.arguments import add_bert_args, command_line
+    from parm_trainer.convert.bert import bert_model_args
+    from parm_trainer.convert.single_process import build_one_rank_model, close
+    from parm_trainer.training import checkpointing
+
+    tokenizer_model = tokenizer_model or os.path.join(load_dir, "tokenizer.model")
+    tensors = _read_safetensors(load_dir)
+    with written_whole(save_dir) as out:
+        args = bert_model_args(config, tokenizer_model)
+        model = build_one_rank_model(args)
+        try:
+            own = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
+            for ours, theirs in ((own, tensors), (tensors, own)):
+                missing = sorted(set(ours) - set(theirs))
+                if missing:
+                    side = "the directory" if theirs is tensors else "the model"
+                    raise ConvertError(f"{missing[0]} is not in {side} ({len(missing)} such)")
+            _copy_into(own, tensors, "the directory")
+            checkpointing.save_checkpoint(out, 0, [model], None, None, 0, args)
+        finally:
+            close()
+    flags = {k: v for k, v in config["model_flags"].items() if k != "padded_vocab_size"}
+    return "pretrain_bert_moe.py", command_line(flags, add_bert_args) + [
+        f"--tokenizer-model {save_dir}/iter_0000000/{files.TOKENIZER}", f"--load {save_dir}"]
+
+
+def _fill(model, state: dict, tensors: dict, args) -> None:
+    """Copy every tensor into the model: none of the model's may be left out, and no Hugging
+    Face tensor may go unused (a bias, a shared expert: something the model cannot hold)."""
+    own = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
+    missing = sorted(set(own) - set(state))
+    if missing:
+        raise ConvertError(f"no Hugging Face tensor gives the model's {missing[0]}")
+    used = set(to_hf(state, vars(args), args.hf_vocab_size)) | {"lm_head.weight"}
+    unused = sorted(set(tensors) - used)
+    if unused:
+        raise ConvertError(f"the Hugging Face tensor {unused[0]} has no place in the model "
+                           f"({len(unused)} such)")
+    _copy_into(own, state, "Hugging Face")
+
+
+def _copy_into(own: dict, state: dict, source: str) -> None:
+    import torch
+
+    with torch.no_grad():
+        for key, value in state.items():
+            if own[key].shape != value.shape:
+                raise ConvertError(f"{key}: {source} gives shape {list(value.shape)}, the model "
+                                   f"has {list(own[key].shape)}")
+            own[key].copy_(value)

@@ -1,0 +1,71 @@
+"""The project's model on one process, no GPU: what the converters read and write through.
+
+A checkpoint of any layout loads into the one-rank model through the same strict
+dist_checkpointing path as training (parm_trainer.training.checkpointing), so every tensor
+arrives whole; a model built here and saved is a checkpoint that any layout loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+import torch
+
+from parm_trainer.arguments import parse_args
+
+ONE_RANK = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                expert_model_parallel_size=1, expert_tensor_parallel_size=1,
+                sequence_parallel=False, use_distributed_optimizer=False, world_size=1,
+                moe_parm_schedule="megatron", distributed_backend="gloo")
+
+
+def one_rank_args(saved_args: dict, **overrides) -> argparse.Namespace:
+    """pretrain's defaults, then the saved run's flags, then one rank's layout."""
+    args = parse_args([], world_size=1)
+    for key, value in saved_args.items():
+        if key not in ("params_dtype", "tokenizer"):  # rebuilt below; an object in training
+            setattr(args, key, value)
+    for key, value in {**ONE_RANK, **overrides}.items():
+        setattr(args, key, value)
+    args.params_dtype = torch.float32
+    args.bf16 = False
+    return args
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_one_rank_model(args: argparse.Namespace):
+    """Start a one-rank process group and build the GPT-MoE (or, with args.model_family "bert",
+    the MoE BERT) args describes, weights drawn as in training from --seed."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from parm_trainer.compat import cpu
+    from parm_trainer.models.config import transformer_config
+    from parm_trainer.models.bert import build_bert_moe
+    from parm_trainer.models.gpt import build_gpt_moe
+    from parm_trainer.models.init import init_weights_layout_free
+    from parm_trainer.parallel import initialize_distributed
+
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    cpu.apply()
+    initialize_distributed(args)
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+    build = build_bert_moe if getattr(args, "model_family", "gpt") == "bert" else build_gpt_moe
+    model = build(args, transformer_config(args), args.padded_vocab_size)
+    init_weights_layout_free(model, args.seed, args.init_method_std, args.num_layers)
+    model.eval()
+    return model
+
+
+def close() -> None:
+    from parm_trainer.parallel import destroy_distributed
+
+    destroy_distributed()

@@ -1,0 +1,130 @@
+"""Text generation with a GPT-MoE checkpoint, under any TP/EP/ESP layout (tools/generate.py).
+
+    torchrun --nproc-per-node 4 tools/generate.py --load-dir runs/demo/checkpoints \\
+        --prompt "The module" --tensor-model-parallel-size 2 --expert-model-parallel-size 2
+
+The model flags come from the checkpoint's run.json, the layout from the command line. Every
+step runs the whole sequence (no KV cache: simple, and these models are small), gathers the
+last position's logits over tensor parallelism and picks the next token the same way on every
+rank: greedy by default, else sampled at --temperature from the --top-k most likely with
+--seed. Logits of the vocabulary's padding rows are never chosen. It stops after
+--max-new-tokens or at the end-of-document token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from parm_trainer.arguments import model_argument_names, parse_args
+from parm_trainer.training import checkpoint_files as files
+
+
+def _own_flags(argv):
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--load-dir", required=True)
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max-new-tokens", type=int, default=20)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy.")
+    parser.add_argument("--top-k", type=int, default=0, help="0: all tokens.")
+    return parser.parse_known_args(argv)
+
+
+def generation_args(argv=None):
+    """(generation flags, pretrain's args: the checkpoint's model, the command line's layout)."""
+    own, rest = _own_flags(argv)
+    if files.read_tracker(own.load_dir) is None:
+        raise files.CheckpointError(f"--load-dir {own.load_dir} is not a checkpoint directory "
+                                    f"(no {files.TRACKER})")
+    path = files.iteration_dir(own.load_dir, files.read_tracker(own.load_dir))
+    description = files.read_description(own.load_dir)
+    if description.get("model", "gpt") != "gpt":
+        raise files.CheckpointError(
+            f"--load-dir {own.load_dir} holds an MoE {description['model'].upper()} model; "
+            f"tools/generate.py continues text with GPT-MoE checkpoints")
+    saved = description["args"]
+    args = parse_args(rest)
+    for name in model_argument_names() | {"padded_vocab_size", "hf_vocab_size"}:
+        if name in saved:
+            setattr(args, name, saved[name])
+    if "--tokenizer-model" not in rest:
+        args.tokenizer_model = os.path.join(path, files.TOKENIZER)
+    args.sequence_parallel = False  # a prompt of any length
+    if "--moe-parm-schedule" not in rest:
+        args.moe_parm_schedule, args.moe_parm_chunks = "s1", 1
+    return own, args
+
+
+def _next_token(logits: torch.Tensor, own, generator) -> int:
+    if own.temperature <= 0:
+        return int(torch.argmax(logits))
+    logits = logits / own.temperature
+    if own.top_k > 0:
+        floor = torch.topk(logits, min(own.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < floor, float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
+
+
+@torch.no_grad()
+def generate(model, prompt_ids: list, own, vocab_size: int, eod: int, tp: int,
+             max_positions: int) -> list:
+    """The generated ids (the prompt's continuation)."""
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    generator = torch.Generator().manual_seed(1234)
+    ids, new = list(prompt_ids), []
+    for _ in range(own.max_new_tokens):
+        if len(ids) >= max_positions:
+            break
+        length = -(-len(ids) // tp) * tp  # right padding: causal attention never sees it
+        tokens = torch.tensor([ids + [eod] * (length - len(ids))])
+        positions = torch.arange(length).unsqueeze(0)
+        logits = gather_from_tensor_model_parallel_region(model(tokens, positions, None))
+        last = logits[0, len(ids) - 1, :vocab_size].float()
+        token = torch.tensor([_next_token(last, own, generator)])
+        torch.distributed.broadcast(token, src=0)  # every rank continues the same text
+        ids.append(int(token))
+        new.append(int(token))
+        if int(token) == eod:
+            break
+    return new
+
+
+def main(argv=None) -> None:
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from parm_trainer.compat import cpu
+    from parm_trainer.data.tokenizer import build_tokenizer
+    from parm_trainer.models.config import transformer_config
+    from parm_trainer.models.gpt import build_gpt_moe
+    from parm_trainer.parallel import (LayoutError, destroy_distributed,
+                                       initialize_distributed, validate_layout)
+    from parm_trainer.training.checkpointing import load_checkpoint
+    from parm_trainer.training.initialize import user_errors
+
+    with user_errors():
+        own, args = generation_args(argv)
+        validate_layout(args)
+        if args.pipeline_model_parallel_size != 1:
+            raise LayoutError("tools/generate.py runs without pipeline parallelism: give "
+                              "--pipeline-model-parallel-size 1 (the checkpoint loads under "
+                              "any layout)")
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        cpu.apply()
+        initialize_distributed(args)
+        torch.manual_seed(args.seed)
+        model_parallel_cuda_manual_seed(args.seed)
+        model = build_gpt_moe(args, transformer_config(args), args.padded_vocab_size)
+        load_checkpoint(own.load_dir, [model], None, None, load_optimizer=False, load_rng=False)
+        model.eval()
+        prompt_ids = tokenizer.tokenize(own.prompt)
+        vocab = getattr(args, "hf_vocab_size", None) or tokenizer.vocab_size
+        new = generate(model, prompt_ids, own, vocab, tokenizer.eod,
+                       args.tensor_model_parallel_size, args.max_position_embeddings)
+        if torch.distributed.get_rank() == 0:
+            print(own.prompt + tokenizer.detokenize(new))
+            print("prompt ids: " + " ".join(map(str, prompt_ids)))
+            print("ids: " + " ".join(map(str, new)), flush=True)
+        destroy_distributed()

@@ -1,0 +1,46 @@
+"""A checkpoint directory's files, readable without torch or megatron (fast for the tools).
+
+    SAVE/latest_checkpointed_iteration.txt   the iteration of the newest whole checkpoint
+    SAVE/iter_0000200/                       megatron-core dist_checkpointing files, and
+    SAVE/iter_0000200/run.json               the run's description: version, layout, every flag
+    SAVE/iter_0000200/tokenizer.model        a copy of the tokenizer
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+TRACKER = "latest_checkpointed_iteration.txt"
+DESCRIPTION = "run.json"
+TOKENIZER = "tokenizer.model"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, unreadable or does not fit the model."""
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> Optional[int]:
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{path} should hold an iteration number, found {text!r}")
+    return int(text)
+
+
+def read_description(path: str) -> dict:
+    """run.json of a checkpoint directory (an iteration directory or its parent)."""
+    if os.path.isfile(os.path.join(path, TRACKER)):
+        iteration = read_tracker(path)
+        path = iteration_dir(path, iteration)
+    file = os.path.join(path, DESCRIPTION)
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{path} is not a parm_trainer checkpoint (no {DESCRIPTION})")
+    return json.load(open(file))

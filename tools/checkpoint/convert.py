@@ -1,0 +1,61 @@
+"""Convert checkpoints between parm_trainer and Hugging Face transformers, in one process.
+
+    # a GPT-MoE checkpoint of any layout -> a MixtralForCausalLM directory
+    python tools/checkpoint/convert.py --loader parm --saver hf \\
+        --load-dir runs/demo/checkpoints --save-dir runs/demo/hf
+    # a Mixtral directory -> a checkpoint that pretrain_gpt_moe.py --load trains from
+    python tools/checkpoint/convert.py --loader hf --saver parm \\
+        --load-dir runs/demo/hf --save-dir runs/imported
+
+Flags are Megatron-LM's (tools/checkpoint/convert.py). Any refusal (a model Mixtral cannot
+express, a directory that is not a checkpoint, another architecture, an existing --save-dir)
+is one line and exit status 1, and nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--model-type", choices=["GPT", "BERT"], default=None,
+                        help="Read from the checkpoint (run.json) or config.json; accepted "
+                             "for Megatron-LM's command lines.")
+    parser.add_argument("--loader", choices=["parm", "hf"], required=True)
+    parser.add_argument("--saver", choices=["parm", "hf"], required=True)
+    parser.add_argument("--load-dir", required=True,
+                        help="parm: the --save directory of a run; hf: a model directory.")
+    parser.add_argument("--save-dir", required=True, help="Written whole; must not exist.")
+    parser.add_argument("--tokenizer-model", default=None,
+                        help="hf loader: the SentencePiece model, if the directory has no "
+                             "tokenizer.model.")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    from parm_trainer.convert.hf import ConvertError, export_to_hf, import_from_hf
+    from parm_trainer.convert.hf_tokenizer import TokenizerNotExportable
+    from parm_trainer.convert.mixtral import NotExportable
+    from parm_trainer.training.checkpoint_files import CheckpointError
+
+    try:
+        if (args.loader, args.saver) == ("parm", "hf"):
+            export_to_hf(args.load_dir, args.save_dir)
+            print(f"wrote {args.save_dir}: MixtralForCausalLM, with its tokenizer")
+        elif (args.loader, args.saver) == ("hf", "parm"):
+            script, flags = import_from_hf(args.load_dir, args.save_dir, args.tokenizer_model)
+            print(f"wrote {args.save_dir}; train from it with:\n"
+                  f"  {script} {' '.join(flags)} --data-path ... [layout flags]")
+        else:
+            raise ConvertError(f"--loader {args.loader} --saver {args.saver}: nothing to "
+                               f"convert (use parm -> hf or hf -> parm)")
+    except (ConvertError, NotExportable, TokenizerNotExportable, CheckpointError,
+            FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

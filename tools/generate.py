@@ -1,0 +1,15 @@
+"""Generate text with a GPT-MoE checkpoint, on one rank or under any TP/EP/ESP layout.
+
+    python tools/generate.py --load-dir runs/demo/checkpoints --prompt "The module"
+    torchrun --nproc-per-node 4 tools/generate.py --load-dir runs/demo/checkpoints \\
+        --prompt "The module" --tensor-model-parallel-size 2 --expert-model-parallel-size 2
+
+Greedy unless --temperature T (with --top-k K). Prints the prompt and its continuation, then
+`prompt ids: ...` and `ids: ...` (the generated ids), space separated. The model flags and the
+tokenizer come from the checkpoint (--tokenizer-model overrides the tokenizer).
+"""
+
+from parm_trainer.generation import main
+
+if __name__ == "__main__":
+    main()

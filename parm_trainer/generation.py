@@ -35,11 +35,8 @@ def _own_flags(argv):
 def generation_args(argv=None):
     """(generation flags, pretrain's args: the checkpoint's model, the command line's layout)."""
     own, rest = _own_flags(argv)
-    if files.read_tracker(own.load_dir) is None:
-        raise files.CheckpointError(f"--load-dir {own.load_dir} is not a checkpoint directory "
-                                    f"(no {files.TRACKER})")
-    path = files.iteration_dir(own.load_dir, files.read_tracker(own.load_dir))
-    description = files.read_description(own.load_dir)
+    path = files.latest_dir(own.load_dir)
+    description = files.read_description(path)
     if description.get("model", "gpt") != "gpt":
         raise files.CheckpointError(
             f"--load-dir {own.load_dir} holds an MoE {description['model'].upper()} model; "
@@ -69,11 +66,11 @@ def _next_token(logits: torch.Tensor, own, generator) -> int:
 
 @torch.no_grad()
 def generate(model, prompt_ids: list, own, vocab_size: int, eod: int, tp: int,
-             max_positions: int) -> list:
+             max_positions: int, seed: int) -> list:
     """The generated ids (the prompt's continuation)."""
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-    generator = torch.Generator().manual_seed(1234)
+    generator = torch.Generator().manual_seed(seed)  # the same draws on every rank
     ids, new = list(prompt_ids), []
     for _ in range(own.max_new_tokens):
         if len(ids) >= max_positions:
@@ -122,7 +119,7 @@ def main(argv=None) -> None:
         prompt_ids = tokenizer.tokenize(own.prompt)
         vocab = getattr(args, "hf_vocab_size", None) or tokenizer.vocab_size
         new = generate(model, prompt_ids, own, vocab, tokenizer.eod,
-                       args.tensor_model_parallel_size, args.max_position_embeddings)
+                       args.tensor_model_parallel_size, args.max_position_embeddings, args.seed)
         if torch.distributed.get_rank() == 0:
             print(own.prompt + tokenizer.detokenize(new))
             print("prompt ids: " + " ".join(map(str, prompt_ids)))

@@ -170,7 +170,7 @@ def test_resume_under_another_layout(bert_data, tmp_path):
 _BERT_LOGITS = """
 import sys, torch
 from parm_trainer.convert.hf import load_one_rank
-model, _, _ = load_one_rank(sys.argv[1])
+model, _ = load_one_rank(sys.argv[1])
 tokens, types, mask = (torch.tensor(x) for x in eval(sys.argv[2]))
 with torch.no_grad():
     lm, binary = model(tokens, mask, tokentype_ids=types)

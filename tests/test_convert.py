@@ -8,6 +8,7 @@ and exports back bit for bit. Refusals are one line and leave nothing behind.
 """
 
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -42,7 +43,7 @@ def generate(nproc, load_dir, *layout, timeout=300):
                "tools/generate.py", "--load-dir", str(load_dir), "--prompt", PROMPT,
                "--max-new-tokens", "20", *layout]
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                         env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
     ids = next(l for l in lines if l.startswith("ids: "))
@@ -67,7 +68,7 @@ def _project_logits(ckpt, sequences, out):
     script = (
         "import sys, torch\n"
         "from parm_trainer.convert.hf import load_one_rank\n"
-        "model, _, _ = load_one_rank(sys.argv[1])\n"
+        "model, _ = load_one_rank(sys.argv[1])\n"
         "tokens = torch.tensor(eval(sys.argv[2]))\n"
         "positions = torch.arange(tokens.shape[1]).expand_as(tokens)\n"
         "with torch.no_grad():\n"

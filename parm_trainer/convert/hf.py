@@ -47,16 +47,14 @@ def written_whole(save_dir: str):
 
 
 def _latest(load_dir: str) -> str:
-    """The iteration directory --load-dir's tracker names."""
-    iteration = files.read_tracker(load_dir)
-    if iteration is None:
-        raise ConvertError(f"--load-dir {load_dir} is not a parm_trainer checkpoint directory "
-                           f"(no {files.TRACKER})")
-    return files.iteration_dir(load_dir, iteration)
+    try:
+        return files.latest_dir(load_dir)
+    except files.CheckpointError as error:
+        raise ConvertError(f"--load-dir {error}") from None
 
 
 def load_one_rank(load_dir: str, **overrides):
-    """(model on one rank with the checkpoint's weights, its run.json, its tokenizer file)."""
+    """(model on one rank with the checkpoint's weights, its tokenizer file)."""
     path = _latest(load_dir)
     description = files.read_description(path)
     tokenizer = os.path.join(path, files.TOKENIZER)
@@ -67,7 +65,7 @@ def load_one_rank(load_dir: str, **overrides):
     model = build_one_rank_model(args)
     checkpointing.load_checkpoint(load_dir, [model], None, None, load_optimizer=False,
                                   load_rng=False)
-    return model, description, tokenizer
+    return model, tokenizer
 
 
 def export_to_hf(load_dir: str, save_dir: str) -> str:
@@ -83,7 +81,7 @@ def export_to_hf(load_dir: str, save_dir: str) -> str:
     with written_whole(save_dir) as out:
         from parm_trainer.convert.single_process import close
 
-        model, _, tokenizer = load_one_rank(load_dir)
+        model, tokenizer = load_one_rank(load_dir)
         try:
             sp = sentencepiece.SentencePieceProcessor(model_file=tokenizer)
             vocab = args.get("hf_vocab_size") or sp.vocab_size()
@@ -111,7 +109,7 @@ def _export_bert(load_dir: str, save_dir: str, description: dict) -> str:
     if dense:
         megatron_bert.check_exportable(args)
     with written_whole(save_dir) as out:
-        model, _, tokenizer = load_one_rank(load_dir)
+        model, tokenizer = load_one_rank(load_dir)
         try:
             if dense:
                 _write_megatron_bert(model, args, tokenizer, out)
@@ -164,11 +162,12 @@ def import_from_hf(load_dir: str, save_dir: str, tokenizer_model: str | None = N
     config = json.load(open(config_file))
     if config.get("model_type") == BERT_FORMAT:
         return _import_bert(load_dir, save_dir, config, tokenizer_model)
-    flags = model_flags(config)
+    values = model_flags(config)
     tokenizer_model = tokenizer_model or os.path.join(load_dir, "tokenizer.model")
     if not os.path.isfile(tokenizer_model):
         raise ConvertError(f"{load_dir} has no tokenizer.model (SentencePiece): give "
                            f"--tokenizer-model")
+    from parm_trainer.arguments import command_line
     from parm_trainer.convert.single_process import build_one_rank_model, close, one_rank_args
     from parm_trainer.models.config import padded_vocab_size
     from parm_trainer.training import checkpointing
@@ -182,7 +181,6 @@ def import_from_hf(load_dir: str, save_dir: str, tokenizer_model: str | None = N
             f"embedding rows; they must agree up to the padding to {padded}")
     tensors = _read_safetensors(load_dir)
     with written_whole(save_dir) as out:
-        values = {key.replace("-", "_"): value for key, value in flags.items()}
         args = one_rank_args(values, tokenizer_model=tokenizer_model,
                              padded_vocab_size=padded, hf_vocab_size=hf_vocab)
         model = build_one_rank_model(args)
@@ -191,8 +189,7 @@ def import_from_hf(load_dir: str, save_dir: str, tokenizer_model: str | None = N
             checkpointing.save_checkpoint(out, 0, [model], None, None, 0, args)
         finally:
             close()
-    command = [f"--{k}" if v is True else f"--{k} {v}" for k, v in flags.items()]
-    return "pretrain_gpt_moe.py", command + [
+    return "pretrain_gpt_moe.py", command_line(values) + [
         f"--tokenizer-model {save_dir}/iter_0000000/{files.TOKENIZER}", f"--load {save_dir}"]
 
 

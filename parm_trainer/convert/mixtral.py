@@ -70,7 +70,7 @@ def hf_config(args: dict, vocab_size: int, bos: int, eos: int) -> dict:
 
 
 def model_flags(config: dict) -> dict:
-    """pretrain_gpt_moe.py's model flags for a Mixtral config.json (value True: a switch)."""
+    """pretrain_gpt_moe.py's model arguments (attribute names) for a Mixtral config.json."""
     if config.get("model_type") != "mixtral":
         raise NotExportable(f"config.json has model_type {config.get('model_type')!r}; "
                             f"only 'mixtral' (MixtralForCausalLM) imports")
@@ -85,21 +85,20 @@ def model_flags(config: dict) -> dict:
                             f"window is not supported; only full causal attention imports")
     if float(theta) != int(theta):
         raise NotExportable(f"rope_theta {theta} is not an integer (--rotary-base)")
-    flags = {
-        "num-layers": config["num_hidden_layers"], "hidden-size": config["hidden_size"],
-        "num-attention-heads": heads, "kv-channels": shape["channels"],
-        "group-query-attention": groups != heads, "num-query-groups": groups,
-        "num-experts": config["num_local_experts"],
-        "moe-router-topk": config["num_experts_per_tok"],
-        "moe-ffn-hidden-size": config["intermediate_size"],
-        "ffn-hidden-size": config["intermediate_size"],
-        "max-position-embeddings": config["max_position_embeddings"],
-        "norm-epsilon": config["rms_norm_eps"], "rotary-base": int(theta),
-        "normalization": "RMSNorm", "swiglu": True, "position-embedding-type": "rope",
-        "disable-bias-linear": True,
-        "untie-embeddings-and-output-weights": not config.get("tie_word_embeddings", False),
+    return {
+        "num_layers": config["num_hidden_layers"], "hidden_size": config["hidden_size"],
+        "num_attention_heads": heads, "kv_channels": shape["channels"],
+        "group_query_attention": groups != heads, "num_query_groups": groups,
+        "num_experts": config["num_local_experts"],
+        "moe_router_topk": config["num_experts_per_tok"],
+        "moe_ffn_hidden_size": config["intermediate_size"],
+        "ffn_hidden_size": config["intermediate_size"],
+        "max_position_embeddings": config["max_position_embeddings"],
+        "norm_epsilon": config["rms_norm_eps"], "rotary_base": int(theta),
+        "normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
+        "disable_bias_linear": True,
+        "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
     }
-    return {k: v for k, v in flags.items() if v is not False}
 
 
 def _shape(hidden: int, heads: int, groups: int, channels: int, num_layers: int,

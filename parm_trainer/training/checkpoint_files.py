@@ -35,6 +35,15 @@ def read_tracker(root: str) -> Optional[int]:
     return int(text)
 
 
+def latest_dir(root: str) -> str:
+    """The iteration directory root's tracker names; CheckpointError when there is none."""
+    iteration = read_tracker(root)
+    if iteration is None:
+        raise CheckpointError(f"{root} is not a parm_trainer checkpoint directory "
+                              f"(no {TRACKER})")
+    return iteration_dir(root, iteration)
+
+
 def read_description(path: str) -> dict:
     """run.json of a checkpoint directory (an iteration directory or its parent)."""
     if os.path.isfile(os.path.join(path, TRACKER)):

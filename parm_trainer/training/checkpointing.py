@@ -313,6 +313,11 @@ def _layout_text(lay: Optional[dict]) -> str:
     return " ".join(f"{k.upper()}{lay[k]}" for k in ("tp", "pp", "dp", "ep", "esp"))
 
 
+def _content_metadata(common: dict) -> dict:
+    """What save() recorded of the optimizer's format (none in checkpoints before it did)."""
+    return dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
+
+
 def _what_to_load(common: dict, path: str, optimizer, load_optimizer: bool, load_rng: bool):
     """(load the optimizer?, load the RNG streams?, notes for the log) for this run; raises
     where the optimizer state asked for cannot fit."""
@@ -322,8 +327,7 @@ def _what_to_load(common: dict, path: str, optimizer, load_optimizer: bool, load
     if load_optimizer and not common.get("with_optimizer", True):
         load_optimizer = False
         notes.append("the checkpoint holds weights only: the optimizer starts afresh")
-    sharding = (dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
-                ).get("distrib_optim_sharding_type", "dp_reshardable")
+    sharding = _content_metadata(common).get("distrib_optim_sharding_type", "dp_reshardable")
     distributed = _is_distributed(optimizer)
     if load_optimizer and common.get("distributed_optimizer", distributed) != distributed:
         was, is_ = ("with", "without") if not distributed else ("without", "with")
@@ -366,7 +370,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, load_optimizer: bool
                               ) from error
     load_optimizer, with_rng, notes = _what_to_load(common, path, optimizer, load_optimizer,
                                                     load_rng)
-    metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
+    metadata = _content_metadata(common)
     step = int(common.get("adam_step", 0))
     if load_optimizer:
         _set_adam_state(optimizer, step, placeholders=True)

@@ -115,6 +115,12 @@ def _parallel_group(parser):
                    help="Split activations along the sequence over the MP group.")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Shard optimizer state over data-parallel ranks (ZeRO-1).")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="Reduce gradients over data-parallel ranks in buckets during the "
+                        "backward pass, overlapped with it (megatron-core DDP).")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="Parameters per gradient-reduction bucket (default: megatron-core's, "
+                        "max(40M, 1M x data-parallel size)).")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="Default: nccl with CUDA, gloo without.")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
@@ -179,6 +185,17 @@ def _eval_ckpt_log_group(parser):
                    help="Gather the optimizer state for a save on data-parallel rank 0 only "
                         "(less memory, a slower save).")
     g.add_argument("--log-interval", type=int, default=10, help="Log every n iterations.")
+    g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=0,
+                   help="Per log interval, where an iteration's time goes: 0 nothing timed; 1 "
+                        "forward-backward, gradient sync, optimizer and data; 2 also megatron's "
+                        "compute and pipeline timers and every MoE layer's plan steps "
+                        "(forward, backward, the exchange's waits apart).")
+    g.add_argument("--timing-log-option", choices=["max", "minmax", "all"], default="minmax",
+                   help="Console report over ranks: the max, (min, max), or every rank's.")
+    g.add_argument("--no-barrier-with-level-1-timing", action="store_false",
+                   dest="barrier_with_L1_time",
+                   help="Level-1 timers start without a barrier (the default synchronises the "
+                        "ranks, so a time excludes waiting for a slower rank to arrive).")
     g.add_argument("--tensorboard-dir", default=None, help="Write tensorboard events here.")
     g.add_argument("--wandb-project", default=None, help="Log to this wandb project.")
     g.add_argument("--wandb-exp-name", default=None, help="wandb run name.")

@@ -33,6 +33,8 @@ import pytest
 import torch
 
 from conftest import ROOT
+from parm_trainer.moe import step_timing
+from parm_trainer.moe.schedules import build_plan
 
 TOL = 1e-5
 SCHEDULES = ("baseline", "s1", "s2", "megatron")
@@ -313,8 +315,13 @@ def test_four_ranks_every_layout_chunks_and_bytes(tmp_path):
         # the exact exchange's bytes against the routing (EXACT_BYTES)
         *[config(*layout, name=name, **{"schedules": "s1,s2", **extra})
           for name, (layout, extra) in EXACT_BYTES.items()],
+        # every plan step timed as --timing-log-level 2 times it in training
+        config(2, 2, 2, sp=True, name="step-times",
+               **{"step-times": True, "moe-parm-chunks": 2, "schedules": "s1,s2,megatron",
+                  "iters": 3}),
     ]
-    runs, _ = run_launch(4, configs, tmp_path, dump=tmp_path / "dump")
+    runs, stdout = run_launch(4, configs, tmp_path, dump=tmp_path / "dump")
+    check_step_times(runs["step-times"], stdout)
     problems, checked = check_correct(configs, runs)
     assert not problems, "\n".join(problems)
     assert checked >= 80
@@ -362,6 +369,28 @@ def test_four_ranks_every_layout_chunks_and_bytes(tmp_path):
         assert timed[schedule]["forward_ms"]["rank0"] > 0
         assert timed[schedule]["fwd_bwd_ratio"] > 0
     assert timed["baseline"]["fwd_bwd_ratio"] == pytest.approx(1.0)
+
+
+def check_step_times(run, stdout):
+    """--step-times: every plan step of s1 and s2 timed forward and backward, the exchange's
+    waits apart; each iteration's steps lie inside its forward and its backward, so on every
+    rank their sums stay below those (1 us of clock rounding)."""
+    schedules = run["schedules"]
+    assert "step_ms" not in schedules["megatron"]
+    for name in ("s1", "s2"):
+        timing = schedules[name]["step_ms"]
+        labels = step_timing.labels(step.op for step in build_plan(name, True).steps)
+        assert {key.rsplit("-", 1)[0] for key in timing["steps_max"]
+                if not key.endswith("-wait")} == set(labels), timing["steps_max"]
+        assert timing["steps_max"]["pipeline-fwd-wait"] > 0
+        assert timing["steps_max"]["pipeline-bwd-wait"] > 0
+        for rank in timing["per_rank"]:
+            assert len(rank["fwd"]) == 3  # --iters
+            for steps, whole in (("fwd_steps", "fwd"), ("bwd_steps", "bwd")):
+                for inside, outside in zip(rank[steps], rank[whole]):
+                    assert 0 < inside <= outside + 1e-3, (name, steps, rank)
+        assert 0 < timing["steps_total"] <= timing["fwd_bwd_total"] + 1e-3
+        assert f"{name} steps sum " in stdout and f"{name} steps fwd/bwd ms: " in stdout
 
 
 # --- 8 ranks ------------------------------------------------------------------------------

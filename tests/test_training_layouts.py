@@ -6,10 +6,13 @@ and PP2 must agree to floating-point reordering. Each launch checks a whole layo
 """
 
 import json
+import re
 
 import pytest
 
 from conftest import launch, max_relative, tiny_gpt_args
+from parm_trainer.moe import step_timing
+from parm_trainer.moe.schedules import build_plan
 
 TP2_EP2_ESP2_SP = {"tensor-model-parallel-size": 2, "expert-model-parallel-size": 2,
                    "expert-tensor-parallel-size": 2, "sequence-parallel": True}
@@ -20,14 +23,16 @@ LAYOUTS = {
     "tp2_ep2_esp2_s2": (4, {**TP2_EP2_ESP2_SP, "moe-parm-schedule": "s2"}),
     "tp2_ep2_esp2_baseline": (4, {**TP2_EP2_ESP2_SP, "moe-parm-schedule": "baseline"}),
     "tp2_ep2_esp2_megatron": (4, {**TP2_EP2_ESP2_SP, "moe-parm-schedule": "megatron"}),
-    # without sequence parallelism s1 splits the replicated tokens itself; two-piece exchange
+    # without sequence parallelism s1 splits the replicated tokens itself; two-piece exchange;
+    # every step timed (--timing-log-level 2 must not change what is computed)
     "tp2_ep2_s1_no_sp_chunks2": (4, {"tensor-model-parallel-size": 2,
                                      "expert-model-parallel-size": 2, "moe-parm-chunks": 2,
-                                     "moe-parm-schedule": "s1"}),
+                                     "moe-parm-schedule": "s1", "timing-log-level": 2}),
     # ESP differs from MP with EP=1: expert grads must be summed over the expert-DP group
     "tp2_esp1": (2, {"tensor-model-parallel-size": 2, "expert-tensor-parallel-size": 1,
                      "sequence-parallel": True}),
-    "pp2": (2, {"pipeline-model-parallel-size": 2}),
+    "pp2": (2, {"pipeline-model-parallel-size": 2, "timing-log-level": 2,
+                "timing-log-option": "max"}),
 }
 
 
@@ -51,6 +56,42 @@ def test_first_five_losses_match_single_rank(layout, reference, gpt_data, tmp_pa
                         reference.loss("load_balancing_loss")) < 1e-4
     # the routers sent every expert the same tokens (counts summed over the ranks)
     assert run.loss("tokens per expert") == reference.loss("tokens per expert")
+    assert len(re.findall(r"\| peak rss [\d.]+ MiB$", run.output, re.M)) == 5
+    if "timing-log-level" in flags:
+        check_timing_report(run.output, flags)
+
+
+def check_timing_report(output: str, flags: dict) -> None:
+    """--timing-log-level 2: after every logged iteration, megatron's level-1 and level-2
+    timers and a line per MoE layer naming each plan step; a layer's steps run inside the
+    iteration's forward-backward, so they cannot add up to more."""
+    blocks = re.findall(r"^iteration .*\n((?:(?:\(min, max\) |max )?time across ranks.*\n"
+                        r"|    .*\n)+)", output, re.M)
+    assert len(blocks) == 5, output[-4000:]
+    sp = bool(flags.get("sequence-parallel"))
+    names = [flags["moe-parm-schedule"]] if "moe-parm-schedule" in flags else ["s1", "s2"]
+    plans = {tuple(step_timing.labels(step.op for step in build_plan(name, sp).steps))
+             for name in names}
+    for block in blocks:
+        times = {name: value for name, value in re.findall(
+            r"^    ([a-z-]+) \.+: (.*)$", block, re.M)}
+        for name in ("forward-backward", "forward-compute", "backward-compute",
+                     "batch-generator", "all-grads-sync", "optimizer"):
+            assert name in times, block
+        if flags.get("timing-log-option") == "max":
+            assert block.startswith("max time across ranks (ms):"), block
+            whole = float(times["forward-backward"])
+        else:
+            assert block.startswith("(min, max) time across ranks (ms):"), block
+            whole = float(times["forward-backward"].strip("()").split(", ")[1])
+        layers = re.findall(r"^    moe layer (\d) fwd/bwd \(ms, max over ranks\): (.*)"
+                            r" \| total ([\d.]+)/([\d.]+)$", block, re.M)
+        assert [int(layer) for layer, *_ in layers] == [1, 2], block  # both layers are MoE
+        for _, steps, fwd, bwd in layers:
+            assert tuple(part.split()[0] for part in steps.split(" | ")) in plans, steps
+            if flags.get("expert-model-parallel-size", 1) > 1:  # the exchange's waits apart
+                assert "pipeline" in steps and "(wait " in steps, steps
+            assert 0 < float(fwd) + float(bwd) < whole, block
 
 
 def test_reference_learns(reference):

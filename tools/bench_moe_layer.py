@@ -123,6 +123,10 @@ def add_tool_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--iters", type=int, default=10, help="Timed iterations (median reported).")
     g.add_argument("--warmup", type=int, default=2, help="Untimed iterations first.")
     g.add_argument("--json", default=None, help="Write the results here (rank 0).")
+    g.add_argument("--step-times", action="store_true",
+                   help="After the timed iterations, time each Parm row's plan steps as "
+                        "--timing-log-level 2 does in training (--iters more iterations) and "
+                        "print their sum beside the row's fwd+bwd.")
     g.add_argument("--dump", default=None,
                    help="Write full input, output gradient, weights and each schedule's output "
                         "and input gradient of data-parallel replica 0 here (torch.save).")
@@ -656,6 +660,66 @@ def time_schedules(timed: dict, args) -> None:
                 "rank0": per_rank[0], "max": max(per_rank), "per_rank": per_rank}
 
 
+def time_steps(timed: dict, args) -> None:
+    """--step-times: each Parm row's plan steps through the level-2 step clock
+    (parm_trainer/moe/step_timing.py) over --warmup + --iters more iterations. Per rank, the
+    median of each step and of the steps' sums; result["step_ms"] keeps them with the
+    forward + backward of the same iterations (max over ranks). A step runs inside its
+    iteration's forward or backward, so the sums can never exceed those."""
+    from parm_trainer.moe import step_timing
+
+    for name, (result, step) in timed.items():
+        if ":" not in result["plan"]:  # megatron's and DeepSpeed's layers have no plan steps
+            continue
+        step_timing.enable()
+        rows = []
+        for i in range(args.warmup + args.iters):
+            _clear_tracker()
+            *_, fwd, bwd = step()
+            steps = {key.split("/", 2)[2]: ms * 1e3 for key, ms in step_timing.collect().items()}
+            if i >= args.warmup:
+                rows.append((steps, fwd, bwd))
+        step_timing.enable(False)
+        keys = sorted({key for steps, _, _ in rows for key in steps})
+        mine = {"steps": {key: _median([steps.get(key, 0.0) for steps, _, _ in rows])
+                          for key in keys},
+                "fwd_steps": [sum(v for k, v in steps.items() if k.endswith("-fwd"))
+                              for steps, _, _ in rows],
+                "bwd_steps": [sum(v for k, v in steps.items() if k.endswith("-bwd"))
+                              for steps, _, _ in rows],
+                "fwd": [f for _, f, _ in rows], "bwd": [b for _, _, b in rows]}
+        gathered = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, mine)
+        result["step_ms"] = {
+            "per_rank": gathered,
+            "steps_max": {key: max(g["steps"].get(key, 0.0) for g in gathered) for key in keys},
+            "steps_total": max(_median([f + b for f, b in zip(g["fwd_steps"], g["bwd_steps"])])
+                               for g in gathered),
+            "fwd_bwd_total": max(_median([f + b for f, b in zip(g["fwd"], g["bwd"])])
+                                 for g in gathered)}
+
+
+def format_step_times(run) -> str:
+    """A line per Parm row timed with --step-times: each step's forward/backward (its waits
+    in brackets), their sum against the row's fwd+bwd."""
+    from parm_trainer.training.timers import moe_lines
+
+    lines = []
+    for name, r in run["schedules"].items():
+        timing = r.get("step_ms")
+        if not timing:
+            continue
+        line = moe_lines({f"moe/layer1/{k}": v for k, v in timing["steps_max"].items()})[0]
+        line = line.split(": ", 1)[1].rsplit(" | total", 1)[0]
+        total = _total_ms(r)
+        lines.append(f"{name} steps fwd/bwd ms: {line}")
+        lines.append(f"{name} steps sum {timing['steps_total']:.2f} ms = "
+                     f"{timing['steps_total'] / timing['fwd_bwd_total']:.3f} x the fwd+bwd of the "
+                     f"same iterations ({timing['fwd_bwd_total']:.2f} ms), "
+                     f"{timing['steps_total'] / total:.3f} x the row's ({total:.2f} ms, untimed)")
+    return "\n".join(lines)
+
+
 def _config_summary(args):
     return {
         "world_size": args.world_size,
@@ -789,6 +853,8 @@ def run_config(args, name=None, dump_dir=None):
             except PeerCannotRun as error:  # raised on every rank alike, before any timing
                 results[schedule] = {"status": "skipped", "reason": str(error)}
         time_schedules(timed, args)
+        if args.step_times:
+            time_steps(timed, args)
         results.update({schedule: result for schedule, (result, _) in timed.items()})
     else:
         unique_bytes = None
@@ -910,6 +976,9 @@ def worker(args) -> int:
     if torch.distributed.get_rank() == 0:
         for run in runs:
             print(format_table(run), flush=True)
+            steps = format_step_times(run)  # rows timed with --step-times
+            if steps:
+                print(steps, flush=True)
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(payload, fh, indent=1)

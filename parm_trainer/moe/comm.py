@@ -35,6 +35,8 @@ import threading
 import torch
 import torch.distributed as dist
 
+from parm_trainer.moe import step_timing
+
 KINDS = ("alltoall", "allgather", "reducescatter", "allreduce")
 PHASES = ("forward", "backward")
 
@@ -168,14 +170,14 @@ def _record(kind, name, nbytes, world, phase):
 
 def _a2a(x, group, name, phase):
     work, out = _issue_all_to_all(x, group)
-    work.wait()
+    step_timing.wait(work)
     _record("alltoall", name, x.nbytes, group_size(group), phase)
     return out
 
 
 def _ag(x, group, name, dim, phase):
     work, stacked = _issue_all_gather(x, group)
-    work.wait()
+    step_timing.wait(work)
     _record("allgather", name, x.nbytes, group_size(group), phase)
     return _unblock(stacked, dim)
 
@@ -183,14 +185,14 @@ def _ag(x, group, name, dim, phase):
 def _rs(x, group, name, dim, phase):
     world = group_size(group)
     work, out = _issue_reduce_scatter(_blocks(x, dim, world), group)
-    work.wait()
+    step_timing.wait(work)
     _record("reducescatter", name, x.nbytes, world, phase)
     return out
 
 
 def _ar(x, group, name, phase):
     out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=group)
+    step_timing.wait(dist.all_reduce(out, group=group, async_op=True))
     _record("allreduce", name, x.nbytes, group_size(group), phase)
     return out
 
@@ -345,7 +347,7 @@ class _Start(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _placeholder):
         pending = ctx.pending
-        pending.grad_work.wait()
+        step_timing.wait(pending.grad_work)
         raw, pending.grad_work, pending.grad_raw = pending.grad_raw, None, None
         return pending.finish_grad(raw), None
 
@@ -353,7 +355,7 @@ class _Start(torch.autograd.Function):
 class _Finish(torch.autograd.Function):
     @staticmethod
     def forward(ctx, raw, pending):
-        pending.work.wait()
+        step_timing.wait(pending.work)
         # a finished handle is let go: it holds its output, whose grad_fn holds this pending
         # (a cycle through C++ that the garbage collector cannot see, leaking every chunk)
         pending.work = None

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parm_trainer.moe import comm
+from parm_trainer.moe import comm, step_timing
 
 _DUAL = {"alltoall": "alltoall", "allgather": "reducescatter", "reducescatter": "allgather"}
 
@@ -120,5 +120,6 @@ def gather_counts(local: torch.Tensor, group) -> torch.Tensor:
     if world == 1:
         return local.unsqueeze(0)
     out = local.new_empty((world, local.numel()))
-    dist.all_gather_into_tensor(out.view(-1), local.contiguous(), group=group)
+    step_timing.wait(dist.all_gather_into_tensor(out.view(-1), local.contiguous(), group=group,
+                                                 async_op=True))
     return out

@@ -26,7 +26,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import get_capacity, router_gating_linear
 from megatron.core.transformer.spec_utils import build_module
 
-from parm_trainer.moe import comm
+from parm_trainer.moe import comm, step_timing
 from parm_trainer.moe.exchange import Routed, exchange, route
 from parm_trainer.moe.schedules import build_plan
 from parm_trainer.parallel import consecutive_subgroup
@@ -60,6 +60,7 @@ class ParmMoELayer(MegatronModule):
                              f" chunks {chunks}): parm_trainer.training.initialize resolves "
                              "--moe-parm-schedule auto and --moe-parm-chunks 0 at start-up")
         self.plan = build_plan(schedule, config.sequence_parallel)
+        self.step_labels = step_timing.labels(step.op for step in self.plan.steps)
         self.chunks = chunks
         if exchange not in EXCHANGES:
             raise ValueError(f"--moe-parm-exchange {exchange!r}: choose one of {EXCHANGES}")
@@ -176,8 +177,12 @@ class ParmMoELayer(MegatronModule):
         x = hidden_states.reshape(-1, hidden)
         groups = self.groups
         seq_shape, routing = (seq, batch), None
+        clock = (step_timing.layer_clock(self.layer_number, self.step_labels)
+                 if self.training and torch.is_grad_enabled() else None)
         for step in self.plan.steps:
             op = step.op
+            if clock is not None:  # --timing-log-level 2
+                x = clock.enter(x)
             if op == "split_tokens":
                 x = comm.split(x, groups["mp"], "mp", dim=0)
                 seq_shape = (x.shape[0] // batch, batch)
@@ -210,4 +215,6 @@ class ParmMoELayer(MegatronModule):
                 x = self._combine(x, routing)
             else:
                 raise ValueError(f"unknown plan step {step}")
+        if clock is not None:
+            x = clock.leave(x)
         return x.view(-1, batch, hidden), None

@@ -22,7 +22,8 @@ from megatron.core.transformer.moe import moe_utils
 
 from parm_trainer.models.config import num_moe_layers, transformer_config
 from parm_trainer.parallel import destroy_distributed
-from parm_trainer.training import checkpointing
+from parm_trainer.training import checkpointing, memory
+from parm_trainer.training import timers as run_timers
 from parm_trainer.training.data import cycle, micro_batch_iterator
 from parm_trainer.training.expert_tokens import ExpertTokenCounter, format_expert_tokens
 from parm_trainer.training.flops import flops_per_iteration
@@ -76,8 +77,11 @@ class Trainer:
         torch.manual_seed(args.seed)
         model_parallel_cuda_manual_seed(args.seed)
         self.config = transformer_config(args)
+        self.timers = run_timers.build_timers(args)  # None at --timing-log-level 0
+        self.config.timers, self.config.barrier_with_L1_time = (self.timers,
+                                                                args.barrier_with_L1_time)
         self.model = build_model(args, self.config, model_provider)
-        self.optimizer, self.scheduler = build_optimizer(args, self.model)
+        self.optimizer, self.scheduler = build_optimizer(args, self.model, self.timers)
         wire_config(self.config, self.model, self.optimizer)
         self.iteration, self.consumed = 0, 0
         if args.load:
@@ -134,7 +138,11 @@ class Trainer:
                     f"{'loss' if name == 'lm loss' else name} is {loss} at iteration "
                     f"{self.iteration + 1}; no update was applied "
                     f"(last checkpoint: {self.args.save or 'none'})")
+        if self.timers is not None:
+            self.timers("optimizer", log_level=1).start(barrier=self.args.barrier_with_L1_time)
         _, grad_norm, _ = self.optimizer.step()
+        if self.timers is not None:
+            self.timers("optimizer").stop()
         self.scheduler.step(increment=1)
         metrics = {**losses, "lr": self.scheduler.get_lr(self.optimizer.param_groups[0]),
                    "grad norm": grad_norm if grad_norm is not None else float("nan")}
@@ -150,9 +158,11 @@ class Trainer:
         for chunk in self.model:
             chunk.eval()
         losses = []
+        self.config.timers = None  # the timing report covers training iterations only
         with torch.no_grad():
             for _ in range(self.args.eval_iters):
                 losses.extend(self._run_schedule(iterator, forward_only=True))
+        self.config.timers = self.timers
         for chunk in self.model:
             chunk.train()
         if self.num_moe_layers:
@@ -167,8 +177,11 @@ class Trainer:
                 self.consumed, self.args)
             print_rank_0(f"saved checkpoint {path} in {seconds:.2f} s")
 
-    def _log(self, metrics: dict, seconds_per_iter: float):
+    def _log(self, metrics: dict, seconds_per_iter: float, iterations: int):
         a = self.args
+        peak_mib = memory.peak_mib()  # collective, like the timing report below
+        report = (run_timers.interval_report(self.timers, iterations)
+                  if self.timers is not None else {})
         tokens_per_s = a.global_batch_size * a.seq_length / seconds_per_iter
         tflops = self.flops / seconds_per_iter / a.world_size / 1e12
         eta = (a.train_iters - self.iteration) * seconds_per_iter
@@ -179,7 +192,10 @@ class Trainer:
             f"iteration {self.iteration:6d}/{a.train_iters} | lm loss {metrics['lm loss']:.6f} | "
             f"lr {metrics['lr']:.3e} | grad norm {metrics['grad norm']:.3f}{extra} | "
             f"ms/iter {seconds_per_iter * 1e3:.1f} | tokens/s {tokens_per_s:.0f} | "
-            f"TFLOP/s/device {tflops:.4f} | ETA {eta / 60:.1f} min")
+            f"TFLOP/s/device {tflops:.4f} | ETA {eta / 60:.1f} min | "
+            f"peak {memory.KIND} {peak_mib:.1f} MiB")
+        if report:
+            print_rank_last(run_timers.format_report(report, a.timing_log_option))
         if "tokens per expert" in metrics:
             table = metrics["tokens per expert"]
             print_rank_last(f"tokens per expert at iteration {self.iteration} | "
@@ -188,7 +204,9 @@ class Trainer:
                             for layer, row in enumerate(table.tolist()) if any(row)
                             for expert, count in enumerate(row)})
         self.logger.scalars(self.iteration, {**scalars, "tokens_per_s": tokens_per_s,
-                                             "tflops_per_device": tflops}, prefix="train/")
+                                             "tflops_per_device": tflops,
+                                             "peak_memory_mib": peak_mib}, prefix="train/")
+        self.logger.scalars(self.iteration, run_timers.max_over_ranks(report), prefix="time_ms/")
 
     def _validate(self, valid_iterator, label="validation"):
         result = self.evaluate(valid_iterator)
@@ -207,6 +225,8 @@ class Trainer:
         train_ds, valid_ds, _ = self.datasets
         train_iterator = micro_batch_iterator(train_ds, self.consumed, a.micro_batch_size,
                                               a.num_workers)
+        if self.timers is not None:
+            train_iterator = run_timers.TimedIterator(train_iterator, self.timers)
         valid_iterator = cycle(lambda: micro_batch_iterator(valid_ds, 0, a.micro_batch_size))
         first = self._validate(valid_iterator, "validation (start)") if a.eval_iters else None
         window_start, window_iters = time.perf_counter(), 0
@@ -221,7 +241,7 @@ class Trainer:
             self.logger.record(self.iteration, metrics)
             if logs_now:
                 now = time.perf_counter()
-                self._log(metrics, (now - window_start) / window_iters)
+                self._log(metrics, (now - window_start) / window_iters, window_iters)
                 window_start, window_iters = now, 0
             if a.eval_iters and self.iteration % a.eval_interval == 0:
                 self._validate(valid_iterator)

@@ -48,7 +48,8 @@ def build_model(args, config: TransformerConfig, model_provider: ModelProvider) 
         module.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        bucket_size=args.ddp_bucket_size,
         use_distributed_optimizer=args.use_distributed_optimizer,
         check_for_nan_in_grad=False,  # the loop checks the loss on every rank instead
     )
@@ -57,8 +58,10 @@ def build_model(args, config: TransformerConfig, model_provider: ModelProvider) 
     return [model]
 
 
-def build_optimizer(args, model: list):
+def build_optimizer(args, model: list, timers=None):
     opt_config = OptimizerConfig(
+        timers=timers,
+        barrier_with_L1_time=args.barrier_with_L1_time,
         optimizer=args.optimizer,
         lr=args.lr,
         min_lr=args.min_lr,

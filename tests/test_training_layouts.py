@@ -7,10 +7,13 @@ and PP2 must agree to floating-point reordering. Each launch checks a whole layo
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
-from conftest import launch, max_relative, tiny_gpt_args
+from conftest import ROOT, launch, max_relative, tiny_gpt_args
+from parm_trainer import plots
 from parm_trainer.moe import step_timing
 from parm_trainer.moe.schedules import build_plan
 
@@ -20,7 +23,9 @@ LAYOUTS = {
     # Parm's s1 and the others must train the same model identically (the default, auto, is
     # test_default_auto_measures_then_reads_its_cache)
     "tp2_ep2_esp2": (4, {**TP2_EP2_ESP2_SP, "moe-parm-schedule": "s1", "moe-parm-chunks": 1}),
-    "tp2_ep2_esp2_s2": (4, {**TP2_EP2_ESP2_SP, "moe-parm-schedule": "s2"}),
+    # gradients reduced in small buckets during the backward
+    "tp2_ep2_esp2_s2": (4, {**TP2_EP2_ESP2_SP, "moe-parm-schedule": "s2",
+                            "overlap-grad-reduce": True, "ddp-bucket-size": 4000}),
     "tp2_ep2_esp2_baseline": (4, {**TP2_EP2_ESP2_SP, "moe-parm-schedule": "baseline"}),
     "tp2_ep2_esp2_megatron": (4, {**TP2_EP2_ESP2_SP, "moe-parm-schedule": "megatron"}),
     # without sequence parallelism s1 splits the replicated tokens itself; two-piece exchange;
@@ -46,7 +51,8 @@ def reference(gpt_data, tmp_path_factory):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_first_five_losses_match_single_rank(layout, reference, gpt_data, tmp_path):
     nproc, flags = LAYOUTS[layout]
-    run = launch(nproc, tiny_gpt_args(gpt_data, **flags), tmp_path)
+    extra = {"tensorboard-dir": tmp_path / "tensorboard"} if "timing-log-level" in flags else {}
+    run = launch(nproc, tiny_gpt_args(gpt_data, **flags, **extra), tmp_path)
     assert run.returncode == 0, run.output[-4000:]
     expected, got = reference.loss(), run.loss()
     assert len(got) == len(expected) == 5
@@ -59,6 +65,31 @@ def test_first_five_losses_match_single_rank(layout, reference, gpt_data, tmp_pa
     assert len(re.findall(r"\| peak rss [\d.]+ MiB$", run.output, re.M)) == 5
     if "timing-log-level" in flags:
         check_timing_report(run.output, flags)
+        check_plots(tmp_path, run)
+
+
+def check_plots(run_dir, run):
+    """tools/plot_run.py on the run's folder: four PNGs, drawn from what the run logged."""
+    result = subprocess.run([sys.executable, "tools/plot_run.py", str(run_dir)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    names = ("loss", "throughput", "expert_load", "step_times")
+    assert result.stdout.splitlines() == [f"wrote {run_dir / 'plots' / n}.png" for n in names]
+    for name in names:
+        with open(run_dir / "plots" / f"{name}.png", "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
+    scalars = plots.read_scalars(str(run_dir / "tensorboard"))
+    assert [v for _, v in scalars["train/lm loss"]] == pytest.approx(run.loss(), rel=1e-6)
+    # the heatmap's shares are the run's own counts per expert, normalised per layer
+    load = plots.expert_load(scalars)
+    assert sorted(load) == [1, 2]
+    for layer, (steps, shares) in load.items():
+        assert steps == [1, 2, 3, 4, 5]
+        for counts, row in zip(run.loss("tokens per expert"), shares):
+            want = counts[layer - 1]
+            assert row == pytest.approx([c / sum(want) for c in want])
+    iteration, moe = plots.step_breakdown(scalars)
+    assert set(iteration) == set(plots.ITERATION_TIMERS) and sorted(moe) == [1, 2]
 
 
 def check_timing_report(output: str, flags: dict) -> None:

@@ -470,3 +470,34 @@ def test_reference_routing_matches_megatron_core(pre_softmax):
         assert torch.allclose(probs, want_probs, atol=1e-7, rtol=0)
         # pre-softmax keeps the full-softmax probabilities: they sum to less than 1
         assert (probs.sum(dim=1) < 1 - 1e-3).all() == pre_softmax
+
+
+def test_progress_lines_and_bar():
+    """The long tools' progress: plain lines off a terminal, one redrawn bar on one."""
+    import io
+
+    from parm_trainer.progress import Progress
+
+    plain = io.StringIO()
+    progress = Progress(3, "sweep", stream=plain)
+    for name in ("a", "b", "c"):
+        progress.done(name)
+    lines = plain.getvalue().splitlines()
+    assert [line.split(" | ")[0] for line in lines] == ["sweep 1/3: a", "sweep 2/3: b",
+                                                        "sweep 3/3: c"]
+    assert all(" elapsed, ETA " in line for line in lines) and lines[-1].endswith("ETA 0:00")
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Terminal()
+    progress = Progress(2, "rounds", stream=tty)
+    progress.done("first")
+    assert tty.getvalue().startswith("\r\033[K[" + "#" * 12 + "." * 12 + "] rounds 1/2: first")
+    assert "\n" not in tty.getvalue()
+    progress.done("second")
+    assert tty.getvalue().endswith("\n") and "[" + "#" * 24 + "] rounds 2/2: second" in tty.getvalue()
+    silent = io.StringIO()
+    Progress(1, "x", stream=silent, enabled=False).done("y")
+    assert silent.getvalue() == ""

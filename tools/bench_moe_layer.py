@@ -80,6 +80,7 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|is depreca
                                           "parallelism must be used|Disabling sequence parallel)")
 from parm_trainer.arguments import parse_args  # noqa: E402
 from parm_trainer.moe.reference import ACTIVATION, ROUTER, ROUTER_PRE_SOFTMAX  # noqa: E402
+from parm_trainer.progress import Progress  # noqa: E402
 
 from deepspeed_peer import PeerCannotRun  # noqa: E402 (tools/; imports DeepSpeed only when used)
 
@@ -149,8 +150,8 @@ def parse(argv, world_size=None):
         raise ToolError("--iters and --warmup must not be negative")
     if args.swiglu:
         raise ToolError("--swiglu: the reference implements the gelu expert only")
-    if args.bf16:
-        raise ToolError("--bf16: the tool compares fp32 layers with an fp32 reference")
+    if args.bf16 and any(name.startswith("deepspeed") for name in args.schedule_list):
+        raise ToolError("--bf16: the DeepSpeed peers run in fp32 here")
     if args.moe_z_loss_coeff:
         raise ToolError("--moe-z-loss-coeff: the reference has no z-loss")
     if args.moe_router_load_balancing_type not in ("aux_loss", "none"):
@@ -243,14 +244,21 @@ def full_weights(args):
     gate = torch.empty(e, m).normal_(0.0, std, generator=gen)
     fc1 = torch.empty(e, h, m).normal_(0.0, std, generator=gen)
     fc2 = torch.empty(e, m, h).normal_(0.0, std / math.sqrt(2.0 * args.num_layers), generator=gen)
-    return {"gate": gate, "fc1": fc1, "fc2": fc2}
+    return {k: _as_layer_sees(v, args) for k, v in (("gate", gate), ("fc1", fc1), ("fc2", fc2))}
+
+
+def _as_layer_sees(t, args):
+    """With --bf16 the layer holds bf16 values: the fp32 reference gets the same values, so
+    the difference measures the bf16 computation, not the rounding of its inputs."""
+    return t.bfloat16().float() if args.bf16 else t
 
 
 def replica_data(args, dp_index: int):
     """Full input and output gradient [S, B, M] of data-parallel replica dp_index."""
     shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
     gen = _generator(args.seed, 2, dp_index)
-    return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    return (_as_layer_sees(torch.randn(shape, generator=gen), args),
+            _as_layer_sees(torch.randn(shape, generator=gen), args))
 
 
 def _layout_key(args):
@@ -516,8 +524,8 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
     layer.train()
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, device=device))
     sp = args.sequence_parallel
-    x_local = replica.local(replica.input, sp)
-    g_local = replica.local(replica.output_grad, sp)
+    x_local = replica.local(replica.input, sp).to(args.params_dtype)
+    g_local = replica.local(replica.output_grad, sp).to(args.params_dtype)
 
     step = _timed_step(layer, lambda x: layer(x)[0], x_local, g_local)
 
@@ -530,31 +538,35 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
     aux = _tracked_aux(device)
     ref = replica.reference(_gate_calls(args.moe_parm_schedule, args))
 
-    diffs, scale = {}, {}
-    full_out = _gather_mp(out.detach(), sp)
-    full_in_grad = _gather_mp(x.grad.detach(), sp)
+    diffs, scale, rel = {}, {}, {}
+    full_out = _gather_mp(out.detach(), sp).float()
+    full_in_grad = _gather_mp(x.grad.detach(), sp).float()
     diffs["output"] = (full_out - ref["output"]).abs().max().item()
     diffs["input_grad"] = (full_in_grad - ref["input_grad"]).abs().max().item()
     scale["output"] = ref["output"].abs().max().item()
     scale["input_grad"] = ref["input_grad"].abs().max().item()
+    rel["output"] = _rel_l2(full_out, ref["output"])
+    rel["input_grad"] = _rel_l2(full_in_grad, ref["input_grad"])
 
-    gate_grad = layer.router.weight.grad.detach().clone()
+    gate_grad = layer.router.weight.grad.detach().float()
     if getattr(layer.router.weight, "sequence_parallel", False):
         torch.distributed.all_reduce(gate_grad,
                                      group=parallel_state.get_tensor_model_parallel_group())
     torch.distributed.all_reduce(gate_grad, group=parallel_state.get_data_parallel_group())
     diffs["gate_grad"] = (gate_grad - ref["gate_grad_total"]).abs().max().item()
     scale["gate_grad"] = ref["gate_grad_total"].abs().max().item()
+    rel["gate_grad"] = _rel_l2(gate_grad, ref["gate_grad_total"])
 
     edp = parallel_state.get_expert_data_parallel_group()
-    worst, biggest = 0.0, 0.0
+    worst, biggest, rel["expert_grad"] = 0.0, 0.0, 0.0
     for expert, (e, rows) in zip(layer.experts.local_experts, shards):
         for param, want in ((expert.linear_fc1.weight, ref["fc1_grad_total"][e, rows, :]),
                             (expert.linear_fc2.weight, ref["fc2_grad_total"][e, :, rows])):
-            grad = param.grad.detach().clone()
+            grad = param.grad.detach().float()
             torch.distributed.all_reduce(grad, group=edp)
             worst = max(worst, (grad - want).abs().max().item())
             biggest = max(biggest, want.abs().max().item())
+            rel["expert_grad"] = max(rel["expert_grad"], _rel_l2(grad, want))
     diffs["expert_grad"], scale["expert_grad"] = worst, biggest
 
     if args.moe_aux_loss_coeff:
@@ -568,6 +580,7 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
     for key in DIFF_KEYS:
         if diffs[key] is not None:
             diffs[key] = _max_over_ranks(diffs[key])
+    rel = {key: _max_over_ranks(value) for key, value in rel.items()}
 
     _dump_result(dump_dir, name, full_out, full_in_grad)
     del x, out
@@ -594,9 +607,17 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
         "cross_node_bytes": None if None in cross else _busiest_node(cross),
         "max_abs_diff": diffs,
         "reference_max_abs": scale,
+        # |got - reference| / |reference| (L2 norms): the measure for --bf16, where a
+        # token whose top-k ties differently in bf16 changes a max abs diff but not this
+        "rel_l2_diff": rel,
         "aux_loss": None if aux is None else aux.item(),
     }
     return result, step
+
+
+def _rel_l2(got, want) -> float:
+    norm = want.norm().item()
+    return (got - want).norm().item() / norm if norm else (got - want).norm().item()
 
 
 def run_peer(name, args, replica, weights, device, dump_dir):
@@ -960,11 +981,14 @@ def worker(args) -> int:
         with open(args.configs) as fh:
             entries = json.load(fh)
         runs = []
+        progress = Progress(len(entries), "bench_moe_layer configurations",
+                            enabled=os.environ.get("RANK", "0") == "0")
         for i, entry in enumerate(entries):
             sub = parse(entry["argv"], world_size=args.world_size)
             name = entry.get("name", str(i))
             dump = os.path.join(args.dump, name) if args.dump else None
             runs.append(run_config(sub, name, dump))
+            progress.done(name)
         payload = {"runs": runs}
     else:
         runs = [run_config(args, None, args.dump)]

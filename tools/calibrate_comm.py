@@ -64,6 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from parm_trainer.moe.cost_model import (KINDS, LINKS, Profile, fit_alpha_beta,  # noqa: E402
                                          sent_bytes)
+from parm_trainer.progress import Progress  # noqa: E402
 
 R2_MIN = 0.95
 ALPHA_FLOOR = 1e-9   # s
@@ -350,11 +351,16 @@ def worker(args) -> int:
 
     measured, shares = {}, {}  # link -> (group size, {kind: points}); link -> node_share
     remote = {}  # link -> remote_peers
-    for link, groups in calibration_groups(world, per_node, args.group_size).items():
+    links = calibration_groups(world, per_node, args.group_size)
+    progress = Progress(len(links) + 2, "calibrate_comm", enabled=rank == 0)
+    for link, groups in links.items():
         measured[link] = measure_groups(groups, args, device)
         shares[link], remote[link] = node_share(groups, per_node), remote_peers(groups, per_node)
-    local = {name: measure_local(cases(device), args.repeats, args.warmup, device, args.calls)
-             for name, cases in (("compute", gemm_cases), ("memory", memory_cases))}
+        progress.done(f"{link} collectives ({len(groups)} group(s) of {len(groups[0])})")
+    local = {}
+    for name, cases in (("compute", gemm_cases), ("memory", memory_cases)):
+        local[name] = measure_local(cases(device), args.repeats, args.warmup, device, args.calls)
+        progress.done(f"{name} rate")
     status = 0
     if rank == 0:
         status = report(args, backend, world, per_node, hosts, measured, local, shares, remote)

@@ -58,6 +58,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from parm_trainer.moe.cost_model import (LAYER_DEFAULT, LAYER_KEYS, LayerShape,  # noqa: E402
                                          Profile, choose_schedule, plan_cost, shape_plan)
+from parm_trainer.progress import Progress  # noqa: E402
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TOOLS)
@@ -544,6 +545,7 @@ def main(argv=None) -> int:
         layout_of = dict(zip(names, (layout for layout, _ in configs)))
         ordered = sorted(entries, key=lambda e: layouts.index(layout_of[base_name(e[0])]))
         rounds = []
+        progress = Progress(args.rounds, "validate_cost_model rounds")
         for r in range(args.rounds):
             # every other round in the opposite order, so a drift of the machine's speed
             # during the run does not favour the schedules or configurations measured first
@@ -554,6 +556,7 @@ def main(argv=None) -> int:
             rounds.append(out(f"bench_{r}.json"))
             _run(_tool(args, "bench_moe_layer.py", "--configs", out(f"configs_{r}.json"),
                        "--json", rounds[-1]), f"bench_moe_layer round {r + 1}")
+            progress.done(f"round {r + 1} ({len(entries)} configurations)")
     runs = merge_rounds(rounds)
 
     try:

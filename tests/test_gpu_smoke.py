@@ -1,0 +1,38 @@
+"""scripts/gpu_smoke.sh --dry-run: every stage of the GPU check runs on CPU and passes, so the
+script is known to work before a GPU machine is spent on it; without --dry-run and without
+CUDA it refuses in one line."""
+
+import re
+import subprocess
+
+from conftest import ROOT
+
+
+def test_dry_run_every_stage_passes(gpt_data, tmp_path):
+    result = subprocess.run(
+        ["bash", "scripts/gpu_smoke.sh", "--dry-run", "--data-path", gpt_data["prefix"],
+         "--tokenizer-model", gpt_data["tokenizer"], "--out-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    rows = re.findall(r"^\| (.+?) +\| (\w+) \| [\d.]+ \| (.*) \|$", result.stdout, re.M)
+    names = [name for name, _, _ in rows]
+    assert names == ["environment", "collectives", "MoE layer fp32", "MoE layer bf16",
+                     "timed layer table", "short pretrain"], result.stdout[-4000:]
+    assert all(verdict == "ok" for _, verdict, _ in rows), rows
+    detail = {name: text for name, _, text in rows}
+    assert detail["collectives"] == "18/18 ops agree"
+    assert detail["MoE layer fp32"].startswith("4 schedules")
+    assert detail["MoE layer bf16"].startswith("4 schedules; worst rel L2")
+    for schedule in ("s1", "s2", "auto", "megatron-alltoall", "megatron-allgather"):
+        assert f"{schedule} " in detail["timed layer table"]
+    losses = re.search(r"lm loss ([\d.]+) -> ([\d.]+)", detail["short pretrain"])
+    assert float(losses.group(2)) < float(losses.group(1))
+    assert "schedule" in result.stdout and "fwd+bwd ms" in result.stdout  # the timed table
+
+
+def test_refuses_without_cuda_unless_dry_run():
+    result = subprocess.run(["bash", "scripts/gpu_smoke.sh"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: no CUDA device here; run with --dry-run to check the script on CPU"]

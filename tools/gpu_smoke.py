@@ -1,0 +1,256 @@
+"""python tools/gpu_smoke.py [--dry-run] [--nproc N] [--data-path P --tokenizer-model T]
+
+The GPU check (scripts/gpu_smoke.sh runs it): on one machine with NVIDIA GPUs, in a few
+minutes, each stage a command of the project's own, then one summary table.
+
+1. environment: torch, CUDA, the GPUs, NCCL; whether Transformer Engine and apex are installed
+   (the project builds megatron's local modules; neither is needed, none is used yet);
+2. collectives: tools/check_collectives.py, comm.py's ops on NCCL against gloo (fp32, bf16);
+3. MoE layer fp32: tools/bench_moe_layer.py, every schedule against the reference: max abs
+   diff <= 1e-5 x max(1, the reference's largest value) for output, input, gate and expert
+   grads (TF32 off);
+4. MoE layer bf16: the same in bf16 against the fp32 reference on the same (bf16) values:
+   relative L2 error <= 2e-2 for output and input grad, <= 5e-2 for gate and expert grads;
+5. timed table: bench_moe_layer at a larger shape, Parm's schedules and megatron's;
+6. short pretrain: 20 iterations of pretrain_gpt_moe.py in bf16 (fp32 with --dry-run) on the
+   demo data; the loss must be finite and fall.
+
+--dry-run runs every stage on CPU with gloo and small shapes (the test suite does), so the
+script is known to work before anyone spends GPU time on it. Ranks: one per GPU (NCCL needs
+a GPU per rank; with one GPU the multi-rank stages say so and run on one rank); --dry-run: 2.
+Exit status 0 only if every stage that ran passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FP32_TOL = 1e-5
+BF16_TOL = {"output": 2e-2, "input_grad": 2e-2, "gate_grad": 5e-2, "expert_grad": 5e-2}
+DIFF_KEYS = ("output", "input_grad", "gate_grad", "expert_grad")
+
+
+def _run(command: list, timeout: float) -> tuple:
+    """(exit status, output) of a command run in the repository root."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "PYTHONWARNINGS": "ignore"}
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as error:
+        return 124, f"timed out after {timeout:.0f} s\n{error.stdout or ''}"
+    return done.returncode, done.stdout + done.stderr
+
+
+def _torchrun(nproc: int) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-port", str(29600 + os.getpid() % 300)]
+
+
+def layout_flags(nproc: int) -> list:
+    """The layer layout for the ranks there are: MP2 x EP2 x ESP2 with SP on 4 or more (the
+    demo's), EP2 on 2, one rank otherwise."""
+    if nproc >= 4:
+        return ["--nproc", "4", "--tensor-model-parallel-size", "2",
+                "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2",
+                "--sequence-parallel"]
+    if nproc >= 2:
+        return ["--nproc", "2", "--expert-model-parallel-size", "2"]
+    return ["--nproc", "1"]
+
+
+def stage_environment(args) -> tuple:
+    import torch
+
+    parts = [f"torch {torch.__version__}"]
+    if torch.cuda.is_available():
+        names = {torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())}
+        parts += [f"CUDA {torch.version.cuda}", f"{torch.cuda.device_count()} x {', '.join(names)}",
+                  f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"]
+    else:
+        parts.append("no CUDA (dry run)" if args.dry_run else "no CUDA")
+    for module, label in (("transformer_engine", "Transformer Engine"), ("apex", "apex")):
+        try:
+            __import__(module)
+            parts.append(f"{label} installed (not used by the project's specs yet)")
+        except ImportError:
+            parts.append(f"{label} not installed")
+    ok = args.dry_run or torch.cuda.is_available()
+    return ok, "; ".join(parts), ""
+
+
+def stage_collectives(args) -> tuple:
+    if args.nproc < 2:
+        return None, "skipped: one GPU (NCCL needs a GPU per rank)", ""
+    status, output = _run(_torchrun(args.nproc) + ["tools/check_collectives.py"], 300)
+    lines = [line for line in output.splitlines() if line.startswith(("ok  ", "FAIL"))]
+    failed = [line for line in lines if line.startswith("FAIL")]
+    ok = status == 0 and lines and not failed
+    return ok, f"{len(lines) - len(failed)}/{len(lines)} ops agree" + (
+        f"; first failure: {failed[0]}" if failed else ""), output
+
+
+def _bench(args, extra: list, json_path: str, timeout: float) -> tuple:
+    command = [sys.executable, "tools/bench_moe_layer.py", *layout_flags(args.nproc),
+               "--json", json_path, *extra]
+    status, output = _run(command, timeout)
+    if status != 0 or not os.path.exists(json_path):
+        return None, output
+    with open(json_path) as f:
+        return json.load(f), output
+
+
+def _layer_check(args, bf16: bool) -> tuple:
+    shape = ["--num-experts", "4", "--moe-router-topk", "2", "--hidden-size", "64",
+             "--moe-ffn-hidden-size", "128", "--seq-length", "32", "--micro-batch-size", "2",
+             "--moe-aux-loss-coeff", "0.01", "--iters", "0", "--warmup", "0",
+             "--schedules", "baseline,s1,s2,megatron", "--moe-parm-chunks", "2"]
+    name = "bf16" if bf16 else "fp32"
+    run, output = _bench(args, shape + (["--bf16"] if bf16 else []),
+                         os.path.join(args.out_dir, f"layer_{name}.json"), 300)
+    if run is None:
+        return False, "bench_moe_layer failed", output
+    problems, worst, rows = [], {}, 0
+    for schedule, result in run["schedules"].items():
+        if result["status"] != "ok":
+            continue  # a schedule the layout cannot run (the table says why)
+        rows += 1
+        for key in DIFF_KEYS:
+            if bf16:
+                value, bound = result["rel_l2_diff"][key], BF16_TOL[key]
+            else:
+                value = result["max_abs_diff"][key]
+                bound = FP32_TOL * max(1.0, result["reference_max_abs"][key])
+            worst[key] = max(worst.get(key, 0.0), value)
+            if not value <= bound:
+                problems.append(f"{schedule} {key} {value:.1e} > {bound:.1e}")
+    measure = "rel L2" if bf16 else "max abs"
+    detail = f"{rows} schedules; worst {measure}: " + ", ".join(
+        f"{k} {v:.1e}" for k, v in worst.items())
+    if problems:
+        detail += "; " + "; ".join(problems)
+    return rows > 0 and not problems, detail, output
+
+
+def stage_layer_fp32(args) -> tuple:
+    return _layer_check(args, bf16=False)
+
+
+def stage_layer_bf16(args) -> tuple:
+    return _layer_check(args, bf16=True)
+
+
+def stage_timed(args) -> tuple:
+    big = not args.dry_run
+    shape = ["--num-experts", "8" if big else "4", "--moe-router-topk", "2",
+             "--hidden-size", "1024" if big else "64",
+             "--moe-ffn-hidden-size", "4096" if big else "128",
+             "--seq-length", "2048" if big else "32", "--micro-batch-size", "4" if big else "2",
+             "--iters", "20" if big else "2", "--warmup", "5" if big else "1",
+             "--schedules", "s1,s2,auto,megatron-alltoall,megatron-allgather",
+             "--moe-parm-chunks", "0", "--ratio-to", "megatron-alltoall"]
+    run, output = _bench(args, shape, os.path.join(args.out_dir, "timed.json"), 600)
+    if run is None:
+        return False, "bench_moe_layer failed", output
+    table = "\n".join(line for line in output.splitlines()
+                      if not line.startswith(("[W", "W1", "I1")))
+    times = {name: r["total_ms"]["max"] for name, r in run["schedules"].items()
+             if r["status"] == "ok"}
+    detail = ", ".join(f"{name} {ms:.2f} ms" for name, ms in times.items())
+    return bool(times), f"fwd+bwd: {detail}", table
+
+
+def stage_pretrain(args) -> tuple:
+    dtype = [] if args.dry_run else ["--bf16"]
+    if not os.path.exists(args.data_path + ".idx"):
+        return False, f"no dataset {args.data_path}.idx (run `make data` first)", ""
+    parallel = []
+    if args.nproc >= 4:
+        parallel = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                    "--sequence-parallel"]
+    elif args.nproc >= 2:
+        parallel = ["--expert-model-parallel-size", "2"]
+    nproc = 4 if args.nproc >= 4 else min(args.nproc, 2)
+    command = _torchrun(nproc) + [
+        "pretrain_gpt_moe.py", "--num-layers", "2", "--hidden-size", "128",
+        "--num-attention-heads", "4", "--seq-length", "128", "--max-position-embeddings", "128",
+        "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256",
+        "--disable-bias-linear", "--normalization", "RMSNorm", "--swiglu",
+        "--position-embedding-type", "rope", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--train-iters", "20", "--lr", "1e-3", "--log-interval", "5",
+        "--eval-iters", "0", "--split", "90,5,5", "--moe-parm-tune-cache", "none",
+        "--hidden-dropout", "0",
+        "--attention-dropout", "0", "--data-path", args.data_path, "--tokenizer-model",
+        args.tokenizer_model, "--data-cache-path", os.path.join(args.out_dir, "data_cache"),
+        "--timing-log-level", "1", *parallel, *dtype]
+    status, output = _run(command, 600)
+    losses = [float(v) for v in re.findall(r"^iteration .*?\| lm loss ([\d.naninf]+)",
+                                           output, re.M)]
+    speed = re.findall(r"ms/iter ([\d.]+) \| tokens/s (\d+)", output)
+    ok = status == 0 and len(losses) >= 2 and all(v == v and v < 1e9 for v in losses) \
+        and losses[-1] < losses[0]
+    detail = (f"{'bf16' if dtype else 'fp32'} on {nproc} rank(s), lm loss "
+              f"{losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "no iteration logged")
+    if speed:
+        detail += f", last interval {speed[-1][0]} ms/iter, {speed[-1][1]} tokens/s"
+    return ok, detail, output
+
+
+STAGES = (("environment", stage_environment), ("collectives", stage_collectives),
+          ("MoE layer fp32", stage_layer_fp32), ("MoE layer bf16", stage_layer_bf16),
+          ("timed layer table", stage_timed), ("short pretrain", stage_pretrain))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true",
+                   help="every stage on CPU (gloo), small shapes: checks the script itself")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks (default: one per GPU, at most 8; --dry-run: 2)")
+    p.add_argument("--data-path", default="data/demo/corpus_text_document")
+    p.add_argument("--tokenizer-model", default="data/demo/tokenizer.model")
+    p.add_argument("--out-dir", default="runs/gpu_smoke")
+    p.add_argument("--only", default=None, help="comma-separated stage numbers to run (1-6)")
+    args = p.parse_args(argv)
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("error: no CUDA device here; run with --dry-run to check the script on CPU",
+              file=sys.stderr)
+        return 2
+    if args.nproc is None:
+        args.nproc = 2 if args.dry_run else min(8, torch.cuda.device_count())
+    os.makedirs(args.out_dir, exist_ok=True)
+    wanted = {int(s) for s in args.only.split(",")} if args.only else None
+    rows, failed = [], 0
+    for number, (name, stage) in enumerate(STAGES, start=1):
+        if wanted and number not in wanted:
+            continue
+        start = time.monotonic()
+        ok, detail, output = stage(args)
+        seconds = time.monotonic() - start
+        verdict = "skip" if ok is None else ("ok" if ok else "FAIL")
+        failed += verdict == "FAIL"
+        print(f"[{number}/{len(STAGES)}] {name}: {verdict} ({seconds:.1f} s) {detail}", flush=True)
+        if verdict == "FAIL" or (name == "timed layer table" and output):
+            print(output[-6000:], flush=True)
+        rows.append((name, verdict, f"{seconds:.1f}", detail))
+    width = max(len(r[0]) for r in rows)
+    print(f"\ngpu_smoke summary ({'dry run, CPU' if args.dry_run else 'GPU'}, "
+          f"{args.nproc} rank(s)):")
+    print(f"| {'stage'.ljust(width)} | result | s | detail |")
+    print(f"|{'-' * (width + 2)}|--------|---|--------|")
+    for name, verdict, seconds, detail in rows:
+        print(f"| {name.ljust(width)} | {verdict} | {seconds} | {detail} |")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

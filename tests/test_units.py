@@ -501,3 +501,20 @@ def test_progress_lines_and_bar():
     silent = io.StringIO()
     Progress(1, "x", stream=silent, enabled=False).done("y")
     assert silent.getvalue() == ""
+
+
+def test_plot_run_refuses_a_folder_without_a_run(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    for folder, says in ((tmp_path / "missing", "no tensorboard folder"),
+                         (tmp_path, "no tensorboard event files")):
+        if folder == tmp_path:
+            (tmp_path / "tensorboard").mkdir()
+        result = subprocess.run([sys.executable, "tools/plot_run.py", str(folder)], cwd=ROOT,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 1 and result.stdout == ""
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith("error: ") and says in line, line

@@ -50,3 +50,7 @@ def test_row_names_map_to_flags():
     assert tool.schedule_flags("megatron-allgather") == [
         "--moe-parm-schedule", "megatron", "--moe-token-dispatcher-type", "allgather"]
     assert tool.schedule_flags("auto") == ["--moe-parm-schedule", "auto"]
+    assert tool.schedule_flags("s1/r1@timing-log-level=2@overlap-grad-reduce") == [
+        "--moe-parm-schedule", "s1", "--moe-parm-chunks", "1", "--timing-log-level", "2",
+        "--overlap-grad-reduce"]
+    assert tool.schedule_flags("default@timing-log-level=1") == ["--timing-log-level", "1"]

@@ -2,7 +2,8 @@
 
 Rows: a --moe-parm-schedule name; "default" (no Parm flag: auto, the depth chosen at start-up);
 "s1/r2" (a schedule at a pipeline depth); "megatron-alltoall", "megatron-allgather" (megatron's
-own MoE layer with that token dispatcher).
+own MoE layer with that token dispatcher); any of them with "@flag=value" or "@flag" appended
+for flags of that row alone ("s1/r1,s1/r1@timing-log-level=2": what the timers cost).
 
 Training speed of pretrain_gpt_moe.py under each MoE schedule, end to end: the demo-sized MoE
 GPT (4 layers, hidden 128, 4 experts, top-2, sequence 128, TP2 x EP2 x ESP2 with sequence
@@ -57,7 +58,17 @@ def run_figure(rows: list) -> float:
 def schedule_flags(name: str) -> list:
     """A row's flags: "default" none (auto, depth chosen at start-up); "megatron-alltoall" and
     "megatron-allgather" megatron's layer with that dispatcher; "s1/r2" a schedule at a depth;
-    any other name --moe-parm-schedule NAME."""
+    any other name --moe-parm-schedule NAME. Each "@flag=value" or "@flag" after the name adds
+    --flag [value] to that row alone ("default@timing-log-level=2": the default at level 2)."""
+    name, *added = name.split("@")
+    extra = []
+    for flag in added:
+        key, _, value = flag.partition("=")
+        extra += [f"--{key}"] + ([value] if value else [])
+    return _row_flags(name) + extra
+
+
+def _row_flags(name: str) -> list:
     if name == "default":
         return []
     if name.startswith("megatron-"):

@@ -243,10 +243,12 @@ class Trainer:
                 now = time.perf_counter()
                 self._log(metrics, (now - window_start) / window_iters, window_iters)
                 window_start, window_iters = now, 0
+            paused = time.perf_counter()  # evaluation and saves are not training time
             if a.eval_iters and self.iteration % a.eval_interval == 0:
                 self._validate(valid_iterator)
             if a.save_interval and self.iteration % a.save_interval == 0:
                 self.save()
+            window_start += time.perf_counter() - paused
             if a.exit_interval and self.iteration % a.exit_interval == 0:
                 break
         last = None

@@ -19,12 +19,11 @@ import os
 import re
 from collections import defaultdict
 
+from parm_trainer.moe import step_timing
+
 EXPERT_TAG = re.compile(r"^train/tokens_per_expert/layer(\d+)/expert(\d+)$")
 MOE_STEP_TAG = re.compile(r"^time_ms/moe/layer(\d+)/(.+)-(fwd|bwd)(-wait)?$")
 ITERATION_TIMERS = ("forward-backward", "all-grads-sync", "optimizer", "batch-generator")
-# plan steps in the order a plan runs them (moe/plan.py), for the bars
-STEP_ORDER = ("split_tokens", "gather_tokens", "gate", "dispatch", "split_capacity", "a2a",
-              "copy", "expert", "allreduce", "a2a2", "pipeline", "combine")
 
 
 class RunDataError(ValueError):
@@ -178,8 +177,7 @@ def plot_step_times(scalars: dict, path: str) -> str:
     ax.set_title("Where an iteration's time goes")
     if moe:
         ax = axes[1][0]
-        steps = sorted({s for layer in moe.values() for s in layer},
-                       key=lambda s: (STEP_ORDER.index(s) if s in STEP_ORDER else 99, s))
+        steps = step_timing.plan_order({s for layer in moe.values() for s in layer})
         colors = dict(zip(steps, plt.cm.tab10.colors))
         labels = []
         for row, (layer, times) in enumerate(moe.items()):

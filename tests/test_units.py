@@ -518,3 +518,27 @@ def test_plot_run_refuses_a_folder_without_a_run(tmp_path):
         assert result.returncode == 1 and result.stdout == ""
         (line,) = result.stderr.strip().splitlines()
         assert line.startswith("error: ") and says in line, line
+
+
+def test_timing_report_formats():
+    """--timing-log-option all|max|minmax on one report; MoE steps in plan order (s1 + SP)."""
+    from parm_trainer.training.timers import format_report, max_over_ranks
+
+    report = {"forward-backward": [10.0, 12.0], "optimizer": [0.0, 3.0],
+              "moe/layer2/pipeline-fwd": [4.0, 5.0], "moe/layer2/pipeline-fwd-wait": [1.0, 2.0],
+              "moe/layer2/gate-fwd": [1.0, 0.5], "moe/layer2/gate-bwd": [0.25, 0.75],
+              "moe/layer2/combine-fwd": [0.5, 0.5], "moe/layer2/dispatch-fwd": [0.1, 0.2]}
+    assert max_over_ranks(report)["forward-backward"] == 12.0
+    every = format_report(report, "all").splitlines()
+    assert every[:4] == ["times across ranks (ms):", "  forward-backward:", "     rank  0: 10.00",
+                         "     rank  1: 12.00"]
+    assert every[4:6] == ["  optimizer:", "     rank  1: 3.00"]  # rank 0 never ran it
+    both = format_report(report, "minmax").splitlines()
+    assert both[0] == "(min, max) time across ranks (ms):"
+    assert both[1] == "    forward-backward ...............................: (10.00, 12.00)"
+    assert both[2].endswith(": (3.00, 3.00)")
+    assert both[3] == ("    moe layer 2 fwd/bwd (ms, max over ranks): gate 1.00/0.75 | "
+                       "dispatch 0.20/0.00 | pipeline 5.00/0.00 (wait 2.00/0.00) | "
+                       "combine 0.50/0.00 | total 6.70/0.75")
+    assert format_report(report, "max").splitlines()[1].endswith(": 12.00")
+    assert format_report({}, "max") == ""

@@ -548,7 +548,7 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
     rel["output"] = _rel_l2(full_out, ref["output"])
     rel["input_grad"] = _rel_l2(full_in_grad, ref["input_grad"])
 
-    gate_grad = layer.router.weight.grad.detach().float()
+    gate_grad = layer.router.weight.grad.detach().to(torch.float32, copy=True)
     if getattr(layer.router.weight, "sequence_parallel", False):
         torch.distributed.all_reduce(gate_grad,
                                      group=parallel_state.get_tensor_model_parallel_group())
@@ -562,7 +562,7 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
     for expert, (e, rows) in zip(layer.experts.local_experts, shards):
         for param, want in ((expert.linear_fc1.weight, ref["fc1_grad_total"][e, rows, :]),
                             (expert.linear_fc2.weight, ref["fc2_grad_total"][e, :, rows])):
-            grad = param.grad.detach().float()
+            grad = param.grad.detach().to(torch.float32, copy=True)
             torch.distributed.all_reduce(grad, group=edp)
             worst = max(worst, (grad - want).abs().max().item())
             biggest = max(biggest, want.abs().max().item())
@@ -723,17 +723,16 @@ def time_steps(timed: dict, args) -> None:
 def format_step_times(run) -> str:
     """A line per Parm row timed with --step-times: each step's forward/backward (its waits
     in brackets), their sum against the row's fwd+bwd."""
-    from parm_trainer.training.timers import moe_lines
+    from parm_trainer.training.timers import format_steps
 
     lines = []
     for name, r in run["schedules"].items():
         timing = r.get("step_ms")
         if not timing:
             continue
-        line = moe_lines({f"moe/layer1/{k}": v for k, v in timing["steps_max"].items()})[0]
-        line = line.split(": ", 1)[1].rsplit(" | total", 1)[0]
+        steps, _, _ = format_steps(timing["steps_max"])
         total = _total_ms(r)
-        lines.append(f"{name} steps fwd/bwd ms: {line}")
+        lines.append(f"{name} steps fwd/bwd ms: {steps}")
         lines.append(f"{name} steps sum {timing['steps_total']:.2f} ms = "
                      f"{timing['steps_total'] / timing['fwd_bwd_total']:.3f} x the fwd+bwd of the "
                      f"same iterations ({timing['fwd_bwd_total']:.2f} ms), "

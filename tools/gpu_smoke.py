@@ -55,8 +55,8 @@ def _torchrun(nproc: int) -> list:
 
 
 def layout_flags(nproc: int) -> list:
-    """The layer layout for the ranks there are: MP2 x EP2 x ESP2 with SP on 4 or more (the
-    demo's), EP2 on 2, one rank otherwise."""
+    """["--nproc", N, layout flags...] for the ranks there are: MP2 x EP2 x ESP2 with SP on 4
+    or more (the demo's), EP2 on 2, one rank otherwise."""
     if nproc >= 4:
         return ["--nproc", "4", "--tensor-model-parallel-size", "2",
                 "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2",
@@ -171,13 +171,8 @@ def stage_pretrain(args) -> tuple:
     dtype = [] if args.dry_run else ["--bf16"]
     if not os.path.exists(args.data_path + ".idx"):
         return False, f"no dataset {args.data_path}.idx (run `make data` first)", ""
-    parallel = []
-    if args.nproc >= 4:
-        parallel = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
-                    "--sequence-parallel"]
-    elif args.nproc >= 2:
-        parallel = ["--expert-model-parallel-size", "2"]
-    nproc = 4 if args.nproc >= 4 else min(args.nproc, 2)
+    _, nproc, *parallel = layout_flags(args.nproc)  # the layer stages' layout
+    nproc = int(nproc)
     command = _torchrun(nproc) + [
         "pretrain_gpt_moe.py", "--num-layers", "2", "--hidden-size", "128",
         "--num-attention-heads", "4", "--seq-length", "128", "--max-position-embeddings", "128",

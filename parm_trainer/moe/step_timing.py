@@ -66,9 +66,6 @@ def wait(work) -> None:
     _TOTALS[_OPEN[0] + "-wait"] += _now() - start
 
 
-PLAN_ORDER: list = []  # the labels of the last plan built here, for reports in plan order
-
-
 def labels(ops) -> list:
     """Step names of a plan's ops, a repeated op numbered from its second appearance."""
     seen: dict = defaultdict(int)
@@ -76,8 +73,21 @@ def labels(ops) -> list:
     for op in ops:
         seen[op] += 1
         out.append(op if seen[op] == 1 else f"{op}{seen[op]}")
-    PLAN_ORDER[:] = out
     return out
+
+
+def plan_order(steps) -> list:
+    """Step names in the order their plan runs them: the plan (schedules.py, any schedule,
+    with or without sequence parallelism) whose labels are exactly these; else sorted."""
+    from parm_trainer.moe.schedules import SCHEDULES, build_plan
+
+    steps = set(steps)
+    for name in SCHEDULES:
+        for sequence_parallel in (True, False):
+            order = labels(step.op for step in build_plan(name, sequence_parallel).steps)
+            if set(order) == steps:
+                return order
+    return sorted(steps)
 
 
 class _Backward:

@@ -77,8 +77,8 @@ def interval_report(timers, iterations: int) -> dict:
     names = list(NAMES)
     local = [_elapsed(timers, name) for name in names]
     world = torch.distributed.get_world_size()
-    moe = step_timing.collect() if step_timing.enabled() else {}
     if step_timing.enabled():  # per-layer step names differ between stages: take their union
+        moe = step_timing.collect()
         everyone = [None] * world
         torch.distributed.all_gather_object(everyone, sorted(moe))
         extra = sorted({name for names_of in everyone for name in names_of})
@@ -111,33 +111,30 @@ def format_report(report: dict, option: str) -> str:
         ran = [ms for ms in row if ms]
         value = f"{max(ran):.2f}" if option == "max" else f"({min(ran):.2f}, {max(ran):.2f})"
         lines.append(f"    {(name + ' ').ljust(48, '.')}: {value}")
-    return "\n".join(lines + moe_lines(max_over_ranks(report)))
-
-
-def moe_lines(times: dict) -> list:
-    """One line per MoE layer from {moe/layerL/STEP-fwd[-wait]: ms}: each step's forward and
-    backward, its waits in brackets, and the layer's totals."""
-    layers: dict = {}
-    for name, ms in times.items():
+    layers: dict = {}  # layer -> {STEP-fwd[-wait]: max ms}
+    for name, ms in max_over_ranks(report).items():
         if name.startswith("moe/"):
             _, layer, key = name.split("/")
             layers.setdefault(int(layer[len("layer"):]), {})[key] = ms
-    lines = []
     for layer, keys in sorted(layers.items()):
-        order = step_timing.PLAN_ORDER
-        steps = sorted((key[:-len("-fwd")] for key in keys if key.endswith("-fwd")),
-                       key=lambda step: (order.index(step) if step in order else len(order), step))
-        parts = []
-        for step in steps:
-            fwd, bwd = keys.get(f"{step}-fwd", 0.0), keys.get(f"{step}-bwd", 0.0)
-            waits = (keys.get(f"{step}-fwd-wait", 0.0), keys.get(f"{step}-bwd-wait", 0.0))
-            wait = f" (wait {waits[0]:.2f}/{waits[1]:.2f})" if any(waits) else ""
-            parts.append(f"{step} {fwd:.2f}/{bwd:.2f}{wait}")
-        fwd = sum(keys.get(f"{step}-fwd", 0.0) for step in steps)
-        bwd = sum(keys.get(f"{step}-bwd", 0.0) for step in steps)
-        lines.append(f"    moe layer {layer} fwd/bwd (ms, max over ranks): " + " | ".join(parts)
-                     + f" | total {fwd:.2f}/{bwd:.2f}")
-    return lines
+        steps, fwd, bwd = format_steps(keys)
+        lines.append(f"    moe layer {layer} fwd/bwd (ms, max over ranks): {steps}"
+                     f" | total {fwd:.2f}/{bwd:.2f}")
+    return "\n".join(lines)
+
+
+def format_steps(keys: dict) -> tuple:
+    """One MoE layer's {STEP-fwd|bwd[-wait]: ms} -> ("gate 1.00/2.00 (wait 0.00/1.50) | ...",
+    forward total, backward total), the steps in plan order."""
+    steps = step_timing.plan_order(key[:-len("-fwd")] for key in keys if key.endswith("-fwd"))
+    parts = []
+    for step in steps:
+        fwd, bwd = keys.get(f"{step}-fwd", 0.0), keys.get(f"{step}-bwd", 0.0)
+        waits = (keys.get(f"{step}-fwd-wait", 0.0), keys.get(f"{step}-bwd-wait", 0.0))
+        wait = f" (wait {waits[0]:.2f}/{waits[1]:.2f})" if any(waits) else ""
+        parts.append(f"{step} {fwd:.2f}/{bwd:.2f}{wait}")
+    return (" | ".join(parts), sum(keys.get(f"{s}-fwd", 0.0) for s in steps),
+            sum(keys.get(f"{s}-bwd", 0.0) for s in steps))
 
 
 def max_over_ranks(report: dict) -> dict:

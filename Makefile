@@ -16,7 +16,15 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,hf]"
 	touch $@
 
-setup: $(VENV)/.installed
+# transformers 4.x beside 5.x, imported only by the test that loads the exports in it
+# (PYTHONPATH=$(VENV)/transformers4): its own huggingface_hub and tokenizers, the venv's torch
+$(VENV)/transformers4/.installed: $(VENV)/.installed
+	rm -rf $(VENV)/transformers4
+	$(PY) -m pip install --quiet --no-deps --target $(VENV)/transformers4 \
+		transformers==4.57.6 huggingface_hub==0.36.2 tokenizers==0.22.2
+	touch $@
+
+setup: $(VENV)/.installed $(VENV)/transformers4/.installed
 
 $(DATA)/corpus.jsonl: | setup
 	mkdir -p $(DATA)

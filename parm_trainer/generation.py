@@ -1,14 +1,15 @@
-"""Text generation with a GPT-MoE checkpoint, under any TP/EP/ESP layout (tools/generate.py).
+"""Text generation with a GPT-MoE checkpoint, under any TP/EP/ESP/PP layout (tools/generate.py).
 
     torchrun --nproc-per-node 4 tools/generate.py --load-dir runs/demo/checkpoints \\
         --prompt "The module" --tensor-model-parallel-size 2 --expert-model-parallel-size 2
 
 The model flags come from the checkpoint's run.json, the layout from the command line. Every
-step runs the whole sequence (no KV cache: simple, and these models are small), gathers the
-last position's logits over tensor parallelism and picks the next token the same way on every
-rank: greedy by default, else sampled at --temperature from the --top-k most likely with
---seed. Logits of the vocabulary's padding rows are never chosen. It stops after
---max-new-tokens or at the end-of-document token.
+step runs the whole sequence (no KV cache: simple, and these models are small): with pipeline
+parallelism each stage receives the previous stage's hidden states and sends its own on. The
+last stage gathers the last position's logits over tensor parallelism and picks the next token
+(greedy by default, else sampled at --temperature from the --top-k most likely with --seed;
+the vocabulary's padding rows are never chosen), and broadcasts it to every stage. It stops
+after --max-new-tokens or at the end-of-document token.
 """
 
 from __future__ import annotations
@@ -64,24 +65,46 @@ def _next_token(logits: torch.Tensor, own, generator) -> int:
     return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
 
 
+def _stage_forward(model, tokens: torch.Tensor, hidden_size: int):
+    """This stage's output: hidden states [s, 1, h] (sent on to the next stage) or, on the last,
+    the logits. A later stage first receives the earlier one's output."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.is_pipeline_first_stage():
+        received = torch.empty(tokens.shape[1], 1, hidden_size,
+                               dtype=next(model.parameters()).dtype)
+        torch.distributed.recv(received, src=ps.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(received)
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0)
+    output = model(tokens, positions, None)
+    if not ps.is_pipeline_last_stage():
+        torch.distributed.send(output.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+    return output
+
+
 @torch.no_grad()
-def generate(model, prompt_ids: list, own, vocab_size: int, eod: int, tp: int,
-             max_positions: int, seed: int) -> list:
+def generate(model, prompt_ids: list, own, vocab_size: int, eod: int, args) -> list:
     """The generated ids (the prompt's continuation)."""
+    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-    generator = torch.Generator().manual_seed(seed)  # the same draws on every rank
+    generator = torch.Generator().manual_seed(args.seed)  # the same draws on every rank
+    tp = args.tensor_model_parallel_size
     ids, new = list(prompt_ids), []
     for _ in range(own.max_new_tokens):
-        if len(ids) >= max_positions:
+        if len(ids) >= args.max_position_embeddings:
             break
         length = -(-len(ids) // tp) * tp  # right padding: causal attention never sees it
         tokens = torch.tensor([ids + [eod] * (length - len(ids))])
-        positions = torch.arange(length).unsqueeze(0)
-        logits = gather_from_tensor_model_parallel_region(model(tokens, positions, None))
-        last = logits[0, len(ids) - 1, :vocab_size].float()
-        token = torch.tensor([_next_token(last, own, generator)])
-        torch.distributed.broadcast(token, src=0)  # every rank continues the same text
+        output = _stage_forward(model, tokens, args.hidden_size)
+        token = torch.zeros(1, dtype=torch.long)
+        if ps.is_pipeline_last_stage():
+            logits = gather_from_tensor_model_parallel_region(output)
+            last = logits[0, len(ids) - 1, :vocab_size].float()
+            token[0] = _next_token(last, own, generator)
+        # every rank continues the same text: the last stage's token, in each pipeline
+        torch.distributed.broadcast(token, src=ps.get_pipeline_model_parallel_last_rank(),
+                                    group=ps.get_pipeline_model_parallel_group())
         ids.append(int(token))
         new.append(int(token))
         if int(token) == eod:
@@ -90,36 +113,32 @@ def generate(model, prompt_ids: list, own, vocab_size: int, eod: int, tp: int,
 
 
 def main(argv=None) -> None:
+    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from parm_trainer.compat import cpu
     from parm_trainer.data.tokenizer import build_tokenizer
     from parm_trainer.models.config import transformer_config
     from parm_trainer.models.gpt import build_gpt_moe
-    from parm_trainer.parallel import (LayoutError, destroy_distributed,
-                                       initialize_distributed, validate_layout)
+    from parm_trainer.parallel import destroy_distributed, initialize_distributed, validate_layout
     from parm_trainer.training.checkpointing import load_checkpoint
     from parm_trainer.training.initialize import user_errors
 
     with user_errors():
         own, args = generation_args(argv)
         validate_layout(args)
-        if args.pipeline_model_parallel_size != 1:
-            raise LayoutError("tools/generate.py runs without pipeline parallelism: give "
-                              "--pipeline-model-parallel-size 1 (the checkpoint loads under "
-                              "any layout)")
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
         cpu.apply()
         initialize_distributed(args)
         torch.manual_seed(args.seed)
         model_parallel_cuda_manual_seed(args.seed)
-        model = build_gpt_moe(args, transformer_config(args), args.padded_vocab_size)
+        model = build_gpt_moe(args, transformer_config(args), args.padded_vocab_size,
+                              ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
         load_checkpoint(own.load_dir, [model], None, None, load_optimizer=False, load_rng=False)
         model.eval()
         prompt_ids = tokenizer.tokenize(own.prompt)
         vocab = getattr(args, "hf_vocab_size", None) or tokenizer.vocab_size
-        new = generate(model, prompt_ids, own, vocab, tokenizer.eod,
-                       args.tensor_model_parallel_size, args.max_position_embeddings, args.seed)
+        new = generate(model, prompt_ids, own, vocab, tokenizer.eod, args)
         if torch.distributed.get_rank() == 0:
             print(own.prompt + tokenizer.detokenize(new))
             print("prompt ids: " + " ".join(map(str, prompt_ids)))

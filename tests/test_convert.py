@@ -2,9 +2,13 @@
 
 A Mixtral-shaped GPT-MoE (RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases) trained
 under TP2 x EP2 x ESP2 + SP exports to a MixtralForCausalLM that transformers loads with no
-missing or unexpected keys and whose logits and greedy continuation are the project's own;
-a Mixtral made by transformers imports, trains under another layout with one rank's losses,
-and exports back bit for bit. Refusals are one line and leave nothing behind.
+missing or unexpected keys and whose logits and greedy continuation (generated on 1 rank, under
+TP2 x EP2 and under PP2 x TP2 x EP2 x ESP1) are the project's own; a Mixtral made by transformers
+imports, trains under another layout with one rank's losses, and exports back bit for bit. A
+Qwen2-MoE (the class for --moe-router-pre-softmax and dense layers between MoE layers) does the
+same round trip with the same logits. transformers 4.x (make setup installs one beside 5.x)
+loads both exports with 5.x's logits and tokenizer ids. Refusals are one line and leave nothing
+behind.
 """
 
 import json
@@ -17,12 +21,13 @@ import pytest
 import sentencepiece
 import torch
 
-from conftest import ROOT, assert_clean_failure, launch, max_relative, tiny_gpt_args
+from conftest import ROOT, launch, max_relative, tiny_gpt_args
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from safetensors.torch import load_file
-    from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
+    from transformers import (AutoTokenizer, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
+                              Qwen2MoeForCausalLM)
 
 MIXTRAL_SHAPE = {"normalization": "RMSNorm", "swiglu": True, "position-embedding-type": "rope",
                  "group-query-attention": True, "num-query-groups": 2,
@@ -106,6 +111,10 @@ def test_greedy_generation_matches_transformers(exported):
     prompt_ids, ours_one = generate(1, ckpt)
     _, ours_four = generate(4, ckpt, "--tensor-model-parallel-size", "2",
                             "--expert-model-parallel-size", "2")
+    _, ours_pipelined = generate(4, ckpt, "--pipeline-model-parallel-size", "2",
+                                 "--tensor-model-parallel-size", "2",
+                                 "--expert-model-parallel-size", "2",
+                                 "--expert-tensor-parallel-size", "1")
     model = MixtralForCausalLM.from_pretrained(hf, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(hf)
     assert tokenizer(PROMPT)["input_ids"] == prompt_ids
@@ -115,6 +124,7 @@ def test_greedy_generation_matches_transformers(exported):
     assert len(ours_one) == 20 or ours_one[-1] == model.config.eos_token_id
     assert ours_one == theirs
     assert ours_four == theirs
+    assert ours_pipelined == theirs
 
 
 def test_mixtral_round_trip_and_training(gpt_data, tmp_path):
@@ -153,7 +163,6 @@ def test_mixtral_round_trip_and_training(gpt_data, tmp_path):
     assert max_relative(four.loss(), one.loss()) <= 1e-4
 
 
-
 def test_refusals_are_one_line_and_leave_nothing(exported, gpt_data, tmp_path):
     ckpt, hf, _ = exported
     # a checkpoint whose run.json describes the tiny model's defaults (LayerNorm, GELU, learned
@@ -188,9 +197,114 @@ def test_refusals_are_one_line_and_leave_nothing(exported, gpt_data, tmp_path):
     assert sorted(p.name for p in hf.iterdir()) == before
 
 
-def test_generate_refuses_pipeline_parallelism(exported, tmp_path):
-    ckpt, _, _ = exported
-    run = launch(2, ["--load-dir", str(ckpt), "--prompt", PROMPT,
-                     "--pipeline-model-parallel-size", "2"], tmp_path,
-                 script="tools/generate.py")
-    assert_clean_failure(run, "--pipeline-model-parallel-size 1")
+QWEN2_MOE = dict(vocab_size=2048, hidden_size=64, intermediate_size=80, moe_intermediate_size=48,
+                 shared_expert_intermediate_size=0, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                 mlp_only_layers=[1, 3], norm_topk_prob=False, max_position_embeddings=64,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def _qwen2_moe(directory, **changes):
+    """A random Qwen2-MoE in the form the project's model holds: QKV biases and the (empty)
+    shared expert's gate zero."""
+    torch.manual_seed(0)
+    model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**{**QWEN2_MOE, **changes}))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("_proj.bias") or "shared_expert_gate" in name:
+                param.zero_()
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.fixture(scope="module")
+def qwen2(gpt_data, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("qwen2")
+    model = _qwen2_moe(tmp / "original")
+    imported = convert("--loader", "hf", "--saver", "parm", "--load-dir", tmp / "original",
+                       "--save-dir", tmp / "imported", "--tokenizer-model", gpt_data["tokenizer"])
+    assert imported.returncode == 0, imported.stderr[-3000:]
+    back = convert("--loader", "parm", "--saver", "hf", "--load-dir", tmp / "imported",
+                   "--save-dir", tmp / "back")
+    assert back.returncode == 0, back.stderr[-3000:]
+    return model, imported.stdout, back.stdout, tmp
+
+
+def _sequences(gpt_data, count=4, length=48):
+    sp = sentencepiece.SentencePieceProcessor(model_file=gpt_data["tokenizer"])
+    texts = [json.loads(line)["text"] for line in
+             open(gpt_data["dir"] / "corpus.jsonl").read().splitlines()[:count]]
+    return [sp.encode(text)[:length] for text in texts]
+
+
+def test_qwen2_moe_round_trip_with_the_same_logits(qwen2, gpt_data):
+    model, imported, back, tmp = qwen2
+    assert "--moe-router-pre-softmax" in imported and "--moe-layer-freq 2" in imported
+    assert "Qwen2MoeForCausalLM" in back
+    original = load_file(tmp / "original" / "model.safetensors")
+    exported = load_file(tmp / "back" / "model.safetensors")
+    assert sorted(original) == sorted(exported)
+    for key, tensor in original.items():
+        assert torch.equal(tensor, exported[key]), key
+    sequences = _sequences(gpt_data)
+    ours = _project_logits(tmp / "imported", sequences, tmp / "logits.pt")[..., :2048]
+    with torch.no_grad():
+        theirs = model(torch.tensor(sequences)).logits
+    assert (ours - theirs).abs().max() <= 1e-4
+
+
+def test_qwen2_moe_refusals(gpt_data, tmp_path):
+    _qwen2_moe(tmp_path / "shared", shared_expert_intermediate_size=32)
+    biased = _qwen2_moe(tmp_path / "biased")
+    with torch.no_grad():
+        biased.model.layers[2].self_attn.k_proj.bias[3] = 0.5
+    biased.save_pretrained(tmp_path / "biased")
+    for directory, needle in (("shared", "shared_expert_intermediate_size 32"),
+                              ("biased", "model.layers.2.self_attn.k_proj.bias")):
+        out = tmp_path / f"{directory}_out"
+        result = convert("--loader", "hf", "--saver", "parm", "--load-dir", tmp_path / directory,
+                         "--save-dir", out, "--tokenizer-model", gpt_data["tokenizer"])
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+        assert result.returncode == 1 and len(errors) == 1 and needle in errors[0], result.stderr
+        assert not out.exists() and not (tmp_path / f"{directory}_out.partial").exists()
+
+
+TRANSFORMERS_4 = ROOT / ".venv" / "transformers4"
+TRANSFORMERS_4_SCRIPT = """
+import json, sys, torch, transformers
+assert transformers.__version__.startswith("4."), transformers.__version__
+out = {"version": transformers.__version__}
+for directory, sequences, texts in json.loads(sys.argv[1]):
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    with torch.no_grad():
+        logits = model(torch.tensor(sequences)).logits
+    out[directory] = {"class": type(model).__name__, "logits": logits.tolist(),
+                      "ids": [tokenizer(text)["input_ids"] for text in texts]}
+print(json.dumps(out))
+"""
+
+
+def test_transformers_4_loads_both_exports(exported, qwen2, gpt_data):
+    """The exports load in transformers 4.x as in 5.x: same class, logits, tokenizer ids."""
+    assert (TRANSFORMERS_4 / "transformers").is_dir(), "run make setup (installs transformers 4)"
+    sequences = _sequences(gpt_data)
+    texts = [json.loads(line)["text"][:300] for line in
+             open(gpt_data["dir"] / "corpus.jsonl").read().splitlines()[:5]]
+    directories = [str(exported[1]), str(qwen2[3] / "back")]
+    run = subprocess.run(
+        [sys.executable, "-c", TRANSFORMERS_4_SCRIPT,
+         json.dumps([[d, sequences, texts] for d in directories])],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(TRANSFORMERS_4), "PYTHONWARNINGS": "ignore"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    old = json.loads(run.stdout.splitlines()[-1])
+    sp = sentencepiece.SentencePieceProcessor(model_file=gpt_data["tokenizer"])
+    for directory, name in zip(directories, ("MixtralForCausalLM", "Qwen2MoeForCausalLM")):
+        model = getattr(__import__("transformers"), name).from_pretrained(directory,
+                                                                          dtype=torch.float32)
+        with torch.no_grad():
+            new = model(torch.tensor(sequences)).logits
+        assert old[directory]["class"] == name
+        assert (torch.tensor(old[directory]["logits"]) - new).abs().max() <= 1e-5, directory
+        assert old[directory]["ids"] == [sp.encode(text) for text in texts]

@@ -1,4 +1,4 @@
-"""Generate text with a GPT-MoE checkpoint, on one rank or under any TP/EP/ESP layout.
+"""Generate text with a GPT-MoE checkpoint, on one rank or under any TP/EP/ESP/PP layout.
 
     python tools/generate.py --load-dir runs/demo/checkpoints --prompt "The module"
     torchrun --nproc-per-node 4 tools/generate.py --load-dir runs/demo/checkpoints \\

@@ -1,7 +1,11 @@
-"""Export a GPT-MoE checkpoint to a Hugging Face Mixtral directory, and import one back.
+"""Export a GPT-MoE checkpoint to a Hugging Face directory, and import one back.
 
     export_to_hf("runs/demo/checkpoints", "runs/demo/hf")       # any layout in, one process
     import_from_hf("runs/demo/hf", "runs/imported")             # a checkpoint any layout loads
+
+The class is MixtralForCausalLM where Mixtral expresses the model (every layer MoE, megatron's
+default router), else Qwen2MoeForCausalLM (--moe-router-pre-softmax, dense layers between the
+MoE layers); see mixtral.py and qwen2_moe.py.
 
 Both write into SAVE_DIR.partial and rename it to SAVE_DIR only when everything is written, so
 SAVE_DIR appears whole or not at all; an existing SAVE_DIR is refused before anything is done.
@@ -19,9 +23,13 @@ import sentencepiece
 
 from parm_trainer.convert.bert import FORMAT as BERT_FORMAT
 from parm_trainer.convert.hf_tokenizer import save_hf_tokenizer
-from parm_trainer.convert.mixtral import (NotExportable, check_exportable, from_hf, hf_config,
-                                          model_flags, to_hf)
+from parm_trainer.convert import mixtral, qwen2_moe
+from parm_trainer.convert.decoder import (check_exportable, from_hf, hf_names, legacy_keys,
+                                          shape_of_args, to_hf)
 from parm_trainer.training import checkpoint_files as files
+
+TARGETS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe}  # config.json's model_type -> module
+
 
 class ConvertError(ValueError):
     """Input the converter cannot use; the message names it."""
@@ -68,15 +76,22 @@ def load_one_rank(load_dir: str, **overrides):
     return model, tokenizer
 
 
+def target_of(args: dict):
+    """The module (mixtral or qwen2_moe) of the class that expresses run.json's model."""
+    return mixtral if mixtral.expresses(args) else qwen2_moe
+
+
 def export_to_hf(load_dir: str, save_dir: str) -> str:
+    """Write the Hugging Face directory; returns the class it holds."""
     _refuse_existing(save_dir)
     description = files.read_description(_latest(load_dir))
     args = description["args"]
     if description.get("model", "gpt") == "bert":
         return _export_bert(load_dir, save_dir, description)
     check_exportable(args)
-    from safetensors.torch import save_file  # after the checks: a refusal is instant
-    from transformers import GenerationConfig, MixtralConfig
+    target = target_of(args)
+    import transformers  # after the checks: a refusal is instant
+    from safetensors.torch import save_file
 
     with written_whole(save_dir) as out:
         from parm_trainer.convert.single_process import close
@@ -86,16 +101,27 @@ def export_to_hf(load_dir: str, save_dir: str) -> str:
             sp = sentencepiece.SentencePieceProcessor(model_file=tokenizer)
             vocab = args.get("hf_vocab_size") or sp.vocab_size()
             state = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
-            save_file(to_hf(state, args, vocab), os.path.join(out, "model.safetensors"),
-                      metadata={"format": "pt"})
+            save_file(to_hf(state, shape_of_args(args), target.TARGET, vocab),
+                      os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
         finally:
             close()
-        MixtralConfig(**hf_config(args, vocab, sp.bos_id(), sp.eos_id())).save_pretrained(out)
-        GenerationConfig(bos_token_id=sp.bos_id(), eos_token_id=sp.eos_id(),
+        config = getattr(transformers, target.CONFIG_CLASS)
+        config(architectures=[target.TARGET.class_name],
+               **target.hf_config(args, vocab, sp.bos_id(), sp.eos_id())).save_pretrained(out)
+        _add_to_json(os.path.join(out, "config.json"), legacy_keys(args))
+        transformers.GenerationConfig(bos_token_id=sp.bos_id(), eos_token_id=sp.eos_id(),
                          pad_token_id=max(sp.pad_id(), 0)).save_pretrained(out)
         save_hf_tokenizer(tokenizer, out)
         shutil.copyfile(tokenizer, os.path.join(out, "tokenizer.model"))  # for the way back
-    return save_dir
+    return target.TARGET.class_name
+
+
+def _add_to_json(path: str, entries: dict) -> None:
+    with open(path) as f:
+        content = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**content, **entries}, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 def _export_bert(load_dir: str, save_dir: str, description: dict) -> str:
@@ -112,15 +138,16 @@ def _export_bert(load_dir: str, save_dir: str, description: dict) -> str:
         model, tokenizer = load_one_rank(load_dir)
         try:
             if dense:
-                _write_megatron_bert(model, args, tokenizer, out)
+                written = _write_megatron_bert(model, args, tokenizer, out)
             else:
                 export_bert(model, description, tokenizer, out)
+                written = "MoE BERT safetensors (convert/bert.py's format)"
         finally:
             close()
-    return save_dir
+    return written
 
 
-def _write_megatron_bert(model, args: dict, tokenizer: str, out: str) -> None:
+def _write_megatron_bert(model, args: dict, tokenizer: str, out: str) -> str:
     from safetensors.torch import save_file
     from transformers import MegatronBertConfig
 
@@ -135,6 +162,7 @@ def _write_megatron_bert(model, args: dict, tokenizer: str, out: str) -> None:
         args, sp.vocab_size(), max(sp.pad_id(), 0))).save_pretrained(out)
     save_hf_tokenizer(tokenizer, out)
     shutil.copyfile(tokenizer, os.path.join(out, "tokenizer.model"))
+    return head
 
 
 def _read_safetensors(load_dir: str) -> dict:
@@ -152,7 +180,8 @@ def _read_safetensors(load_dir: str) -> dict:
 
 
 def import_from_hf(load_dir: str, save_dir: str, tokenizer_model: str | None = None) -> tuple:
-    """Write a weights-only checkpoint (iteration 0) of a Mixtral (or convert/bert.py) directory;
+    """Write a weights-only checkpoint (iteration 0) of a Mixtral, Qwen2-MoE (in the form
+    qwen2_moe.py writes) or convert/bert.py directory;
     returns (the entry script, the flags that build its model and load the checkpoint)."""
     _refuse_existing(save_dir)
     config_file = os.path.join(load_dir, "config.json")
@@ -162,7 +191,12 @@ def import_from_hf(load_dir: str, save_dir: str, tokenizer_model: str | None = N
     config = json.load(open(config_file))
     if config.get("model_type") == BERT_FORMAT:
         return _import_bert(load_dir, save_dir, config, tokenizer_model)
-    values = model_flags(config)
+    if config.get("model_type") not in TARGETS:
+        raise ConvertError(f"config.json has model_type {config.get('model_type')!r}; only "
+                           f"{', '.join(map(repr, TARGETS))} ({mixtral.TARGET.class_name}, "
+                           f"{qwen2_moe.TARGET.class_name}) import")
+    target = TARGETS[config["model_type"]]
+    values = target.model_flags(config)
     tokenizer_model = tokenizer_model or os.path.join(load_dir, "tokenizer.model")
     if not os.path.isfile(tokenizer_model):
         raise ConvertError(f"{load_dir} has no tokenizer.model (SentencePiece): give "
@@ -185,7 +219,13 @@ def import_from_hf(load_dir: str, save_dir: str, tokenizer_model: str | None = N
                              padded_vocab_size=padded, hf_vocab_size=hf_vocab)
         model = build_one_rank_model(args)
         try:
-            _fill(model, from_hf(tensors, config, padded), tensors, args)
+            shape = shape_of_args(values)
+            absent = sorted(hf_names(shape, target.TARGET, with_zeros=False) - set(tensors))
+            if absent:
+                raise ConvertError(f"{load_dir} has no tensor {absent[0]} ({len(absent)} "
+                                   f"such): the weights do not fit config.json")
+            _fill(model, from_hf(tensors, shape, target.TARGET, padded), tensors,
+                  hf_names(shape, target.TARGET))
             checkpointing.save_checkpoint(out, 0, [model], None, None, 0, args)
         finally:
             close()
@@ -221,15 +261,14 @@ def _import_bert(load_dir: str, save_dir: str, config: dict, tokenizer_model) ->
         f"--tokenizer-model {save_dir}/iter_0000000/{files.TOKENIZER}", f"--load {save_dir}"]
 
 
-def _fill(model, state: dict, tensors: dict, args) -> None:
+def _fill(model, state: dict, tensors: dict, names: set) -> None:
     """Copy every tensor into the model: none of the model's may be left out, and no Hugging
     Face tensor may go unused (a bias, a shared expert: something the model cannot hold)."""
     own = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
     missing = sorted(set(own) - set(state))
     if missing:
         raise ConvertError(f"no Hugging Face tensor gives the model's {missing[0]}")
-    used = set(to_hf(state, vars(args), args.hf_vocab_size)) | {"lm_head.weight"}
-    unused = sorted(set(tensors) - used)
+    unused = sorted(set(tensors) - names - {"lm_head.weight"})
     if unused:
         raise ConvertError(f"the Hugging Face tensor {unused[0]} has no place in the model "
                            f"({len(unused)} such)")

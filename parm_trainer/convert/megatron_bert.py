@@ -9,7 +9,7 @@ head ([q; k; v] of d rows each). Biases absent under --disable-bias-linear are w
 
 from __future__ import annotations
 
-from parm_trainer.convert.mixtral import NotExportable
+from parm_trainer.convert.decoder import NotExportable
 
 _NEEDED = {"normalization": "LayerNorm", "swiglu": False,
            "position_embedding_type": "learned_absolute", "group_query_attention": False}

@@ -1,15 +1,16 @@
 """Convert checkpoints between parm_trainer and Hugging Face transformers, in one process.
 
-    # a GPT-MoE checkpoint of any layout -> a MixtralForCausalLM directory
+    # a GPT-MoE checkpoint of any layout -> a MixtralForCausalLM directory (Qwen2MoeForCausalLM
+    # for --moe-router-pre-softmax or dense layers between the MoE layers)
     python tools/checkpoint/convert.py --loader parm --saver hf \\
         --load-dir runs/demo/checkpoints --save-dir runs/demo/hf
-    # a Mixtral directory -> a checkpoint that pretrain_gpt_moe.py --load trains from
+    # a Mixtral (or such a Qwen2-MoE) directory -> a checkpoint that pretrain --load trains from
     python tools/checkpoint/convert.py --loader hf --saver parm \\
         --load-dir runs/demo/hf --save-dir runs/imported
 
-Flags are Megatron-LM's (tools/checkpoint/convert.py). Any refusal (a model Mixtral cannot
-express, a directory that is not a checkpoint, another architecture, an existing --save-dir)
-is one line and exit status 1, and nothing is written.
+Flags are Megatron-LM's (tools/checkpoint/convert.py). Any refusal (a model no Hugging Face
+class expresses, a directory that is not a checkpoint, another architecture, an existing
+--save-dir) is one line and exit status 1, and nothing is written.
 """
 
 from __future__ import annotations
@@ -36,13 +37,13 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     from parm_trainer.convert.hf import ConvertError, export_to_hf, import_from_hf
     from parm_trainer.convert.hf_tokenizer import TokenizerNotExportable
-    from parm_trainer.convert.mixtral import NotExportable
+    from parm_trainer.convert.decoder import NotExportable
     from parm_trainer.training.checkpoint_files import CheckpointError
 
     try:
         if (args.loader, args.saver) == ("parm", "hf"):
-            export_to_hf(args.load_dir, args.save_dir)
-            print(f"wrote {args.save_dir}: MixtralForCausalLM, with its tokenizer")
+            class_name = export_to_hf(args.load_dir, args.save_dir)
+            print(f"wrote {args.save_dir}: {class_name}, with its tokenizer")
         elif (args.loader, args.saver) == ("hf", "parm"):
             script, flags = import_from_hf(args.load_dir, args.save_dir, args.tokenizer_model)
             print(f"wrote {args.save_dir}; train from it with:\n"

@@ -124,7 +124,12 @@ def _parallel_group(parser):
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="Default: nccl with CUDA, gloo without.")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
-                   help="Collective timeout.")
+                   help="The process groups' timeout for a collective (fractions allowed: "
+                        "0.5 = 30 s).")
+    g.add_argument("--watchdog-timeout-minutes", type=float, default=None,
+                   help="End the job when a rank makes no progress (no iteration step, no "
+                        "save phase) for this long, naming the rank that stopped and where; "
+                        "default: --distributed-timeout-minutes; 0: no watchdog.")
 
 
 def _training_group(parser):
@@ -176,6 +181,9 @@ def _eval_ckpt_log_group(parser):
                         "schedule, RNG or data position from the checkpoint).")
     g.add_argument("--no-load-rng", action="store_true",
                    help="Start the RNG streams from --seed instead of the checkpoint's.")
+    g.add_argument("--ckpt-fallback", action="store_true",
+                   help="If the latest checkpoint cannot be read (a truncated shard, missing "
+                        "metadata), resume from the newest one that can, saying so.")
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action=argparse.BooleanOptionalAction,
                    default=True,
                    help="Save the distributed optimizer's state per parameter (loads under any "
@@ -201,7 +209,8 @@ def _eval_ckpt_log_group(parser):
     g.add_argument("--wandb-exp-name", default=None, help="wandb run name.")
     g.add_argument("--wandb-save-dir", default=None, help="wandb files (default under --save).")
     g.add_argument("--log-losses-json", default=None,
-                   help="Write every iteration's losses to this JSON file (rank 0).")
+                   help="Write every iteration's losses to this JSON file (rank 0), after each "
+                        "logged iteration; a resumed run keeps the entries up to its start.")
 
 
 def add_bert_args(parser):
@@ -256,6 +265,12 @@ def _check(args) -> None:
     for flag in ("log_interval", "eval_interval"):
         if getattr(args, flag) < 1:
             raise ArgumentsError(f"--{flag.replace('_', '-')} must be at least 1")
+    if not args.distributed_timeout_minutes > 0:
+        raise ArgumentsError(f"--distributed-timeout-minutes must be positive, got "
+                             f"{args.distributed_timeout_minutes}")
+    if args.watchdog_timeout_minutes < 0:
+        raise ArgumentsError(f"--watchdog-timeout-minutes must be 0 (off) or positive, got "
+                             f"{args.watchdog_timeout_minutes}")
 
 
 def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
@@ -281,6 +296,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, extra_args_provider=None,
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = args.tensor_model_parallel_size
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    if args.watchdog_timeout_minutes is None:
+        args.watchdog_timeout_minutes = args.distributed_timeout_minutes
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32

@@ -133,6 +133,19 @@ def _validate_batch(args) -> None:
         _require(args.num_microbatches >= 1, "pipeline parallelism needs at least one micro-batch")
 
 
+def _attempt_store(timeout: datetime.timedelta) -> dict:
+    """Under torchrun, a store of this attempt's own: a restarted job (--max-restarts) meets
+    again in the agent's store, where the failed attempt's process-group keys (its ranks'
+    addresses) still are, and gloo would connect to the dead ranks. {} elsewhere (env://)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                       is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dict(store=torch.distributed.PrefixStore(f"parm_trainer/attempt_{attempt}", store),
+                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
 def initialize_distributed(args: argparse.Namespace) -> None:
     """Start torch.distributed (env:// from torchrun) and build megatron's process groups."""
     from megatron.core import parallel_state
@@ -144,13 +157,14 @@ def initialize_distributed(args: argparse.Namespace) -> None:
         if "RANK" not in os.environ:  # a plain `python` run: one rank
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
-        torch.distributed.init_process_group(args.distributed_backend, timeout=timeout)
+        torch.distributed.init_process_group(args.distributed_backend, timeout=timeout,
+                                             **_attempt_store(timeout))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-        distributed_timeout_minutes=int(max(1, args.distributed_timeout_minutes)),
+        distributed_timeout_minutes=args.distributed_timeout_minutes,  # a timedelta's minutes
     )
     consecutive_subgroup(1)
     consecutive_subgroup(torch.distributed.get_world_size() // args.pipeline_model_parallel_size)

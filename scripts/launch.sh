@@ -5,6 +5,9 @@
 #
 # The job's shape comes from the environment, the same on every node except NODE_RANK:
 #   NNODES (1), NODE_RANK (0), NPROC_PER_NODE (4), MASTER_ADDR (127.0.0.1), MASTER_PORT (29500)
+# MAX_RESTARTS (0): restart every rank this many times when one fails (torchrun's
+# --max-restarts); give the training script --load and --save the same directory and a
+# restarted job resumes from the latest checkpoint.
 # torchrun numbers the ranks node by node (node r holds ranks r*NPROC_PER_NODE ...), which is
 # what Megatron's group order expects: MP groups inside a node, EP and DP across nodes.
 # scripts/train_gpt_moe.sh and the slurm script call this; tools/emulated_cluster.py runs it in
@@ -23,6 +26,6 @@ fi
 
 exec "$PYTHON" -m torch.distributed.run \
     --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \
-    --nproc-per-node "${NPROC_PER_NODE:-4}" \
+    --nproc-per-node "${NPROC_PER_NODE:-4}" --max-restarts "${MAX_RESTARTS:-0}" \
     --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}" \
     "$@"

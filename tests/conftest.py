@@ -88,12 +88,12 @@ def tiny_gpt_args(data, **overrides) -> list:
 
 
 def launch(nproc: int, args: list, tmp_path: Path, timeout: float = 300,
-           script: str = "pretrain_gpt_moe.py") -> Run:
+           script: str = "pretrain_gpt_moe.py", env: dict = None) -> Run:
     losses_json = tmp_path / f"losses_{time.monotonic_ns()}.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-port", str(free_port()), script, *args,
                "--log-losses-json", str(losses_json)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     start = time.monotonic()
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                             env=env)

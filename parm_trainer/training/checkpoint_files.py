@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+import re
+from typing import Callable, Optional
 
 TRACKER = "latest_checkpointed_iteration.txt"
 DESCRIPTION = "run.json"
@@ -33,6 +34,41 @@ def read_tracker(root: str) -> Optional[int]:
     if not text.isdigit():
         raise CheckpointError(f"{path} should hold an iteration number, found {text!r}")
     return int(text)
+
+
+def replace_tracker(root: str, iteration: int, before_replace: Callable = lambda: None) -> None:
+    """Point the tracker at iteration atomically: write a temporary file, then os.replace."""
+    tracker_tmp = os.path.join(root, TRACKER + ".tmp")
+    with open(tracker_tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    before_replace()
+    os.replace(tracker_tmp, os.path.join(root, TRACKER))
+
+
+_ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
+
+
+def iterations(root: str) -> list:
+    """The iterations of root's renamed (whole) directories, newest first."""
+    found = [_ITERATION_DIR.match(name) for name in os.listdir(root)] if os.path.isdir(root) else []
+    return sorted((int(m.group(1)) for m in found if m), reverse=True)
+
+
+def strays(root: str) -> list:
+    """Lines naming what interrupted saves left under root: .tmp directories (never finished)
+    and directories newer than the tracker (renamed, never recorded)."""
+    if not os.path.isdir(root):
+        return []
+    latest = read_tracker(root)
+    lines = [f"ignored {os.path.join(root, name)}: a save that did not finish (the next save "
+             f"removes it)" for name in sorted(os.listdir(root))
+             if name.startswith("iter_") and name.endswith((".tmp", ".old"))]
+    lines += [f"ignored {iteration_dir(root, it)}: newer than {TRACKER} ({latest}), its save "
+              f"was interrupted before it was recorded" for it in iterations(root)
+              if latest is not None and it > latest]
+    return lines
 
 
 def latest_dir(root: str) -> str:

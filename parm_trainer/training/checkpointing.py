@@ -11,7 +11,10 @@ and all ranks raise the same error naming the first mismatch.
 
 A save is written to `iter_XXXXXXX.tmp`, and only once every rank has finished is it renamed
 and the tracker file replaced (os.replace is atomic). A crash mid-save leaves the previous
-checkpoint marked latest and a stray .tmp directory that the next save removes.
+checkpoint marked latest and a stray .tmp directory (or a directory newer than the tracker)
+that the next start names and the next save removes; a save that fails on any rank (a full
+disk) fails on every rank with one line and leaves the previous checkpoint as it was. With
+--ckpt-fallback a latest checkpoint that cannot be read gives way to the newest one that can.
 """
 
 from __future__ import annotations
@@ -35,9 +38,11 @@ from megatron.core.tensor_parallel import random as mrandom
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 import parm_trainer
+from parm_trainer.training import faults, watchdog
 from parm_trainer.training.checkpoint_files import (DESCRIPTION, TOKENIZER, TRACKER,  # noqa: F401
-                                                   CheckpointError, iteration_dir,
-                                                   read_description, read_tracker)
+                                                   CheckpointError, iteration_dir, iterations,
+                                                   read_description, read_tracker,
+                                                   replace_tracker, strays)
 
 # keys of optimizer state and RNG streams; every other tensor key belongs to the model
 _NOT_MODEL = re.compile(r"^(chained_\d+\.)?optimizer\.|^rng_state")
@@ -132,11 +137,26 @@ def _results_queue_without_spawn() -> None:
     (dist_checkpointing/strategies/filesystem_async.py, _get_write_results_queue), made on a
     process's first save: the spawned process imports the entry script's modules again, which
     cost 4-10 s per rank on CPU. Saves here are synchronous (the queue is filled and read in
-    this process), so a forked manager, started in milliseconds, serves as well."""
+    this process), so a forked manager, started in milliseconds, serves as well. It dies with
+    this process, also when this one is killed (else an orphan would live on, holding the
+    launcher's output pipe)."""
+    from multiprocessing.managers import SyncManager
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if getattr(filesystem_async, "_results_queue", False) is None:
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+        manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+        manager.start(initializer=_die_with_parent)
+        filesystem_async._results_queue = manager.Queue()
+
+
+def _die_with_parent() -> None:
+    """Linux: ask the kernel to SIGKILL this (forked) process when its parent dies."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
@@ -163,20 +183,54 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
     state = _sharded_state(model, optimizer, scheduler, extra, metadata if whole else None,
                            is_loading=False, with_rng=whole)
     _results_queue_without_spawn()
-    dist_checkpointing.save(state, tmp, content_metadata=metadata)
-    torch.distributed.barrier()
+    failure = None
+    watchdog.beat(iteration, "save (writing)")
+    try:
+        dist_checkpointing.save(state, tmp, content_metadata=metadata)
+        faults.in_save("write", iteration)
+        if rank == 0:
+            _write_description(args, iteration, tmp)  # after: megatron wants an empty dir
+    except (OSError, CheckpointException) as error:
+        failure = error
+    watchdog.beat(iteration, "save (waiting for every rank's shards)")
+    _agree_saved(failure, tmp, final)
     if rank == 0:
-        _write_description(args, iteration, tmp)  # after: megatron wants an empty directory
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tracker_tmp, "w") as f:
-            f.write(str(iteration))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tracker_tmp, os.path.join(root, TRACKER))
+        faults.in_save("rename", iteration)
+        _rename_over(tmp, final)
+        faults.in_save("renamed", iteration)
+        replace_tracker(root, iteration, before_replace=lambda: faults.in_save("tracker",
+                                                                               iteration))
     torch.distributed.barrier()
     return final, time.perf_counter() - start
+
+
+def _agree_saved(failure, tmp: str, final: str) -> None:
+    """Every rank learns whether every rank wrote its part; if one did not, all raise the same
+    CheckpointError (the first failing rank's reason) and the partial directory goes."""
+    verdict = [None if failure is None else
+               (torch.distributed.get_rank(), _describe(failure))]
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, verdict[0])
+    failed = [entry for entry in gathered if entry is not None]
+    if not failed:
+        return
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    rank, reason = failed[0]
+    free = shutil.disk_usage(os.path.dirname(final)).free / 2**20
+    raise CheckpointError(f"cannot save {final} (rank {rank}: {reason}; its disk has "
+                          f"{free:.1f} MiB free); the previous checkpoint is kept")
+
+
+def _rename_over(tmp: str, final: str) -> None:
+    """tmp -> final; an existing final (this iteration saved before) is moved aside first and
+    removed after, so that a crash in between never leaves the tracker naming nothing."""
+    aside = final + ".old"
+    shutil.rmtree(aside, ignore_errors=True)
+    if os.path.exists(final):
+        os.rename(final, aside)
+    os.rename(tmp, final)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _is_distributed(optimizer) -> bool:
@@ -349,25 +403,50 @@ def _what_to_load(common: dict, path: str, optimizer, load_optimizer: bool, load
     return load_optimizer, with_rng, notes
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler, load_optimizer: bool = True,
-                    load_rng: bool = True):
-    """Load the latest checkpoint under `root` in place, under any layout.
+class UnreadableCheckpoint(CheckpointError):
+    """A checkpoint directory that is missing, incomplete or corrupt (--ckpt-fallback skips
+    it); a checkpoint that reads but does not fit the model is a plain CheckpointError."""
 
-    Returns (iteration, consumed samples, notes): notes are lines for the log (e.g. why the RNG
-    streams were not restored). Raises CheckpointError, identically on every rank, when it
-    cannot.
+
+def load_checkpoint(root: str, model, optimizer, scheduler, load_optimizer: bool = True,
+                    load_rng: bool = True, fallback: bool = False):
+    """Load the latest checkpoint under `root` in place, under any layout; with fallback, if
+    the latest cannot be read, the newest older one that can.
+
+    Returns (iteration, consumed samples, notes): notes are lines for the log (what was
+    ignored, why the RNG streams were not restored). Raises CheckpointError, identically on
+    every rank, when it cannot.
     """
     iteration = read_tracker(root)
     if iteration is None:
         raise CheckpointError(f"--load {root}: no {TRACKER} (no checkpoint was finished there)")
-    path = iteration_dir(root, iteration)
+    notes = strays(root)
+    candidates = [iteration] + ([it for it in iterations(root) if it < iteration]
+                                if fallback else [])
+    for candidate in candidates:
+        try:
+            loaded = _load_dir(iteration_dir(root, candidate), model, optimizer, scheduler,
+                               load_optimizer, load_rng)
+        except UnreadableCheckpoint as error:
+            if candidate == candidates[-1]:
+                raise
+            notes.append(f"{error}; trying the one before (--ckpt-fallback)")
+            continue
+        if candidate != iteration:
+            notes.append(f"resumed from the newest readable checkpoint, iteration {candidate} "
+                         f"(--ckpt-fallback)")
+        return loaded[0], loaded[1], notes + loaded[2]
+
+
+def _load_dir(path: str, model, optimizer, scheduler, load_optimizer: bool, load_rng: bool):
     if not os.path.isfile(os.path.join(path, "metadata.json")):
-        raise CheckpointError(f"--load {path} is missing or incomplete")
+        raise UnreadableCheckpoint(f"--load {path} is missing or incomplete (no "
+                                   f"{os.path.join(path, 'metadata.json')})")
     try:
         common = dist_checkpointing.load_common_state_dict(path)
     except (Exception, CheckpointException) as error:
-        raise CheckpointError(f"--load {path}: cannot read checkpoint ({_describe(error)})"
-                              ) from error
+        raise UnreadableCheckpoint(f"--load {path}: cannot read checkpoint "
+                                   f"({_describe(error)})") from error
     load_optimizer, with_rng, notes = _what_to_load(common, path, optimizer, load_optimizer,
                                                     load_rng)
     metadata = _content_metadata(common)
@@ -380,15 +459,15 @@ def load_checkpoint(root: str, model, optimizer, scheduler, load_optimizer: bool
     try:
         problem = _misfit(template, path)
     except (Exception, CheckpointException) as error:
-        raise CheckpointError(f"--load {path}: cannot read checkpoint ({_describe(error)})"
-                              ) from error
+        raise UnreadableCheckpoint(f"--load {path}: cannot read checkpoint "
+                                   f"({_describe(error)})") from error
     if problem:
         raise CheckpointError(f"--load {path} does not fit this model: {problem}")
     try:
         loaded = dist_checkpointing.load(template, path)
     except (Exception, CheckpointException) as error:  # many kinds; one clear message
-        raise CheckpointError(f"--load {path}: cannot read checkpoint ({_describe(error)})"
-                              ) from error
+        raise UnreadableCheckpoint(f"--load {path}: cannot read checkpoint "
+                                   f"({_describe(error)})") from error
     for index, chunk in enumerate(model):
         unwrapped = getattr(chunk, "module", chunk)  # DDP wraps the megatron module
         unwrapped.load_state_dict(loaded["model" if len(model) == 1 else f"model{index}"])

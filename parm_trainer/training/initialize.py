@@ -22,6 +22,7 @@ from parm_trainer.moe.auto import resolve_auto_schedule
 from parm_trainer.moe.cost_model import ProfileError
 from parm_trainer.moe.tune import tune_at_startup
 from parm_trainer.parallel import LayoutError, initialize_distributed, validate_layout
+from parm_trainer.training import faults
 
 
 class InputError(ValueError):
@@ -50,6 +51,7 @@ def initialize(argv=None, extra_args_provider=None, check_inputs=None):
     apply the CPU layer if needed, start the process groups. check_inputs(args): the entry
     point's own checks, run with the tokenizer built and before any communication."""
     args = parse_args(argv, extra_args_provider)
+    faults.configure()
     resolve_auto_schedule(args, log=lambda line: _rank() == 0 and print(line, flush=True))
     validate_layout(args)
     _check_inputs(args)
@@ -83,7 +85,7 @@ def user_errors(*extra_types):
     from parm_trainer.training.loop import NonFiniteLossError
 
     known = (ArgumentsError, LayoutError, InputError, CheckpointError, DataError, NonFiniteLossError,
-             ProfileError,
+             ProfileError, faults.FaultSpecError,
              FileNotFoundError,
              *extra_types)
     try:

@@ -44,7 +44,9 @@ def _wandb_mode() -> str:
 
 
 class MetricsLogger:
-    def __init__(self, args):
+    def __init__(self, args, resumed_at: int = 0):
+        """resumed_at: the iteration the run starts after; --log-losses-json keeps what an
+        earlier attempt wrote up to it (a restarted job's file covers every iteration)."""
         self.enabled = is_last_rank()
         self.tensorboard = None
         self.wandb = None
@@ -52,6 +54,9 @@ class MetricsLogger:
         self.json_path = args.log_losses_json
         if not self.enabled:
             return
+        if self.json_path and resumed_at and os.path.isfile(self.json_path):
+            with open(self.json_path) as f:
+                self.history = [row for row in json.load(f) if row["iteration"] <= resumed_at]
         if args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -83,12 +88,17 @@ class MetricsLogger:
             self.history.append({"iteration": iteration, **{
                 k: v.tolist() if torch.is_tensor(v) else float(v) for k, v in values.items()}})
 
+    def write_json(self) -> None:
+        """--log-losses-json as recorded so far, replaced atomically."""
+        if self.enabled and self.json_path:
+            with open(self.json_path + ".tmp", "w") as f:
+                json.dump(self.history, f, indent=1)
+            os.replace(self.json_path + ".tmp", self.json_path)
+
     def close(self) -> None:
         if not self.enabled:
             return
-        if self.json_path:
-            with open(self.json_path, "w") as f:
-                json.dump(self.history, f, indent=1)
+        self.write_json()
         if self.tensorboard is not None:
             self.tensorboard.close()
         if self.wandb is not None:

@@ -22,7 +22,7 @@ from megatron.core.transformer.moe import moe_utils
 
 from parm_trainer.models.config import num_moe_layers, transformer_config
 from parm_trainer.parallel import destroy_distributed
-from parm_trainer.training import checkpointing, memory
+from parm_trainer.training import checkpointing, faults, memory, watchdog
 from parm_trainer.training import timers as run_timers
 from parm_trainer.training.data import cycle, micro_batch_iterator
 from parm_trainer.training.expert_tokens import ExpertTokenCounter, format_expert_tokens
@@ -76,6 +76,7 @@ class Trainer:
         self.loss_names = loss_names  # what the loss function reports; "lm loss" first
         torch.manual_seed(args.seed)
         model_parallel_cuda_manual_seed(args.seed)
+        watchdog.start(args)
         self.config = transformer_config(args)
         self.timers = run_timers.build_timers(args)  # None at --timing-log-level 0
         self.config.timers, self.config.barrier_with_L1_time = (self.timers,
@@ -87,7 +88,7 @@ class Trainer:
         if args.load:
             self._load()
         self.datasets = datasets_provider(args, self._num_samples())
-        self.logger = MetricsLogger(args)
+        self.logger = MetricsLogger(args, resumed_at=self.iteration)
         self.num_moe_layers = num_moe_layers(args)
         self.expert_tokens = (ExpertTokenCounter(self.model, args.num_layers, args.num_experts)
                               if self.num_moe_layers else None)
@@ -101,7 +102,7 @@ class Trainer:
         self.iteration, self.consumed, notes = checkpointing.load_checkpoint(
             args.load, self.model, self.optimizer, self.scheduler,
             load_optimizer=not (args.no_load_optim or args.finetune),
-            load_rng=not (args.no_load_rng or args.finetune))
+            load_rng=not (args.no_load_rng or args.finetune), fallback=args.ckpt_fallback)
         for note in notes:
             print_rank_0(note)
         if args.finetune:
@@ -130,8 +131,13 @@ class Trainer:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        faults.at_iteration(self.iteration + 1)
+        watchdog.beat(self.iteration + 1, "forward-backward")
         losses = _reduce_losses(self._run_schedule(iterator, forward_only=False),
                                 self.loss_names)
+        if faults.nan_at(self.iteration + 1):
+            losses["lm loss"] = float("nan")
+        watchdog.beat(self.iteration + 1, "optimizer step")
         for name, loss in losses.items():
             if not math.isfinite(loss):
                 raise NonFiniteLossError(
@@ -155,6 +161,7 @@ class Trainer:
         return metrics
 
     def evaluate(self, iterator) -> dict:
+        watchdog.beat(self.iteration, "evaluation")
         for chunk in self.model:
             chunk.eval()
         losses = []
@@ -172,6 +179,7 @@ class Trainer:
 
     def save(self):
         if self.args.save:
+            watchdog.beat(self.iteration, "save")
             path, seconds = checkpointing.save_checkpoint(
                 self.args.save, self.iteration, self.model, self.optimizer, self.scheduler,
                 self.consumed, self.args)
@@ -207,6 +215,7 @@ class Trainer:
                                              "tflops_per_device": tflops,
                                              "peak_memory_mib": peak_mib}, prefix="train/")
         self.logger.scalars(self.iteration, run_timers.max_over_ranks(report), prefix="time_ms/")
+        self.logger.write_json()
 
     def _validate(self, valid_iterator, label="validation"):
         result = self.evaluate(valid_iterator)
@@ -270,6 +279,8 @@ def pretrain(args, model_provider: Callable, datasets_provider: Callable,
     forward_step's loss function reports a (sum, count) pair under each of loss_names."""
     trainer = Trainer(args, model_provider, datasets_provider, forward_step, loss_names)
     trainer.train()
+    watchdog.beat(trainer.iteration, "the end of training")
+    watchdog.stop()
     # Orderly shutdown: a process group left to the interpreter's exit can abort a rank
     # ("terminate called without an active exception") while gloo's threads are torn down.
     del trainer

@@ -1,0 +1,152 @@
+"""A per-rank watchdog: a hung job ends within --watchdog-timeout-minutes, naming who stopped.
+
+gloo cannot abort a collective that waits on a dead or stopped peer, and a stopped process
+answers no signal but SIGKILL, so a timeout alone can leave a job half-alive. Each rank runs a
+thread that, every second, publishes two times to the job's rendezvous store (a key per rank):
+when its thread last ran (the process is alive) and when its training loop last stepped (an
+iteration's phase, a save's phase; `beat` is one tuple assignment). When a rank's loop has not
+stepped for the limit, its thread reads every rank's keys and ends the job:
+
+- a rank whose thread stopped publishing (killed, SIGSTOP, its host gone) is the cause; one
+  line names it, its iteration and phase, and the phase the waiting ranks were in;
+- otherwise every process is alive and one line names the rank furthest behind (a deadlock or a
+  straggler, for example a save that never ends);
+- the first rank to fire prints the line (the store elects it); every rank that sees the abort
+  kills the stopped ranks on its own host (SIGKILL works on a stopped process) and exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+PERIOD_S = 1.0
+ALIVE_S = 5.0  # a rank whose thread has not published for this long is not running
+
+
+class Watchdog:
+    def __init__(self, limit_s: float, store, rank: int, world: int):
+        self.limit_s, self.rank, self.world = limit_s, rank, world
+        self.store = store
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.last = (time.time(), 0, "set-up")  # (when, iteration, phase) of the loop's step
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="parm-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        self._publish(time.time())
+        self.thread.start()
+        return self
+
+    def beat(self, iteration: int, phase: str) -> None:
+        self.last = (time.time(), iteration, phase)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=2 * PERIOD_S)
+
+    def _publish(self, now: float) -> None:
+        when, iteration, phase = self.last
+        self.store.set(f"hb/{self.rank}", json.dumps(
+            [now, when, iteration, phase, self.pid, self.host]))
+
+    def _beats(self) -> dict:
+        out = {}
+        for rank in range(self.world):
+            try:
+                if self.store.check([f"hb/{rank}"]):
+                    out[rank] = json.loads(self.store.get(f"hb/{rank}"))
+            except Exception:  # a store going away: the rank is unknown
+                pass
+        return out
+
+    def _run(self) -> None:
+        while not self.stopped.wait(PERIOD_S):
+            now = time.time()
+            try:
+                self._publish(now)
+                if self.store.check(["abort"]):
+                    self._end(self._beats(), now, None)
+                if now - self.last[0] > self.limit_s:
+                    self._fire(now)
+            except Exception:  # the store is gone: the job is ending anyway
+                return
+
+    def _fire(self, now: float) -> None:
+        beats = self._beats()
+        first = self.store.add("abort_count", 1) == 1
+        line = (describe(beats, self.world, self.rank, now, self.limit_s, self.last)
+                if first else None)
+        self.store.set("abort", "1")
+        self._end(beats, now, line)
+
+    def _end(self, beats: dict, now: float, line) -> None:
+        for rank, (alive, _, _, _, pid, host) in beats.items():
+            if host == self.host and pid != self.pid and now - alive > ALIVE_S:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        if line:
+            print(f"error: {line}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+
+
+def describe(beats: dict, world: int, me: int, now: float, limit_s: float, mine: tuple) -> str:
+    """The one line: who stopped (or is furthest behind), where, and what this rank waited in."""
+    _, iteration, phase = mine
+    waited = (f"rank {me} waited {now - mine[0]:.0f} s at iteration {iteration} in {phase} "
+              f"(limit {limit_s:.0f} s, --watchdog-timeout-minutes)")
+    dead = sorted(r for r, beat in beats.items() if now - beat[0] > ALIVE_S)
+    missing = sorted(set(range(world)) - set(beats))
+    if dead:
+        r = dead[0]
+        _, _, it, ph, pid, host = beats[r]
+        others = f" (and rank{'s' if len(dead) > 2 else ''} {', '.join(map(str, dead[1:]))})" \
+            if len(dead) > 1 else ""
+        return (f"watchdog: rank {r}{others} stopped responding {now - beats[r][0]:.0f} s ago "
+                f"at iteration {it} in {ph} (pid {pid} on {host}); {waited}; the job is ended")
+    if missing:
+        return f"watchdog: rank {missing[0]} never reported; {waited}; the job is ended"
+    r = min(beats, key=lambda k: (beats[k][2], beats[k][1]))
+    _, when, it, ph, _, _ = beats[r]
+    return (f"watchdog: every rank is alive but none progressed; rank {r} is furthest behind "
+            f"at iteration {it} in {ph} (for {now - when:.0f} s); {waited}; the job is ended")
+
+
+_CURRENT = None
+
+
+def start(args):
+    """Start this rank's watchdog (none with --watchdog-timeout-minutes 0)."""
+    global _CURRENT
+    import torch
+
+    stop()
+    if not args.watchdog_timeout_minutes:
+        return
+    from torch.distributed import PrefixStore
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = PrefixStore("parm_watchdog/", _get_default_store())
+    _CURRENT = Watchdog(args.watchdog_timeout_minutes * 60.0, store,
+                        torch.distributed.get_rank(), torch.distributed.get_world_size()).start()
+
+
+def beat(iteration: int, phase: str) -> None:
+    """The training loop (or a save) made progress: it is at iteration, in phase."""
+    if _CURRENT is not None:
+        _CURRENT.beat(iteration, phase)
+
+
+def stop() -> None:
+    global _CURRENT
+    if _CURRENT is not None:
+        _CURRENT.stop()
+        _CURRENT = None

@@ -64,19 +64,33 @@ def test_nan_loss_stops_before_the_update(gpt_data, tmp_path):
     # every checkpoint written before the failure is whole, and the tracker names one of them
     latest = (ckpt / "latest_checkpointed_iteration.txt").read_text()
     assert (ckpt / f"iter_{int(latest):07d}" / "metadata.json").exists()
+    # the same stop on 2 ranks from an injected NaN (PARM_FAULT), and a malformed PARM_FAULT
+    injected = launch(2, tiny_gpt_args(gpt_data, **{"train-iters": 4}), tmp_path, timeout=120,
+                      env={"PARM_FAULT": "nan:iter=3"})
+    assert_clean_failure(injected, "loss is nan at iteration 3", "no update was applied")
+    malformed = launch(2, tiny_gpt_args(gpt_data), tmp_path, timeout=120,
+                       env={"PARM_FAULT": "kill:rank=1"})
+    assert_clean_failure(malformed, "PARM_FAULT 'kill:rank=1': give iter=N")
 
 
 def test_corrupt_checkpoint(gpt_data, tmp_path):
-    """The first (good) run also checks the tensorboard and offline wandb logs get written."""
+    """A truncated shard in the latest checkpoint is refused naming it; --ckpt-fallback resumes
+    from the one before with the losses the first run had there. The first (good) run also
+    checks the tensorboard and offline wandb logs get written."""
     ckpt, board, wandb_dir = tmp_path / "ckpt", tmp_path / "tb", tmp_path / "wandb"
-    run = launch(1, tiny_gpt_args(gpt_data, **{
-        "train-iters": 2, "save": ckpt, "tensorboard-dir": board, "wandb-project": "parm-test",
-        "wandb-save-dir": wandb_dir}), tmp_path)
-    assert run.returncode == 0, run.output[-3000:]
+    first = launch(1, tiny_gpt_args(gpt_data, **{
+        "train-iters": 4, "save-interval": 2, "save": ckpt, "tensorboard-dir": board,
+        "wandb-project": "parm-test", "wandb-save-dir": wandb_dir}), tmp_path)
+    assert first.returncode == 0, first.output[-3000:]
     assert list(board.glob("events.out.tfevents.*")), "no tensorboard events"
     assert list(wandb_dir.rglob("*.wandb")), "no offline wandb run"
-    for shard in (ckpt / "iter_0000002").glob("*.distcp"):
-        shard.write_bytes(b"not a checkpoint")
-    run = launch(1, tiny_gpt_args(gpt_data, **{"train-iters": 4, "load": ckpt}), tmp_path,
-                 timeout=120)
-    assert_clean_failure(run, "--load", "cannot read checkpoint")
+    shard = sorted((ckpt / "iter_0000004").glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated
+    flags = {"train-iters": 6, "load": ckpt}
+    run = launch(1, tiny_gpt_args(gpt_data, **flags), tmp_path, timeout=120)
+    assert_clean_failure(run, "--load", "iter_0000004", "cannot read checkpoint")
+    fallback = launch(1, tiny_gpt_args(gpt_data, **flags, **{"ckpt-fallback": True}), tmp_path)
+    assert fallback.returncode == 0, fallback.output[-3000:]
+    assert "resumed from the newest readable checkpoint, iteration 2" in fallback.output
+    assert [row["iteration"] for row in fallback.losses] == [3, 4, 5, 6]
+    assert fallback.loss()[:2] == first.loss()[2:4]

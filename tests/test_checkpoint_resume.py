@@ -1,5 +1,5 @@
-"""Resume is exact: iterations 11-20 resumed from a save at 10 equal the straight run's, on 4
-ranks.
+"""Resume is exact: a 20-iteration run on 4 ranks whose rank 2 is killed at iteration 7 restarts
+(MAX_RESTARTS), resumes from its save at 5 and gives the straight run's losses.
 
 Dropout is on, so the RNG streams must be restored too; the distributed optimizer's state
 goes through dist_checkpointing's resharding format; the data sampler restarts from the saved
@@ -10,37 +10,48 @@ and one of another model is refused naming the tensor.
 import json
 import os
 import re
+import subprocess
 
 import pytest
 
 import parm_trainer
-from conftest import assert_clean_failure, launch, max_relative, tiny_gpt_args
+from conftest import ROOT, assert_clean_failure, free_port, launch, max_relative, tiny_gpt_args
 from parm_trainer.training.checkpointing import read_description
 
 
-def test_resume_is_exact(gpt_data, tmp_path):
+def test_resume_is_exact_after_a_killed_rank(gpt_data, tmp_path):
+    """Rank 2 is killed (PARM_FAULT) at iteration 7 of a 20-iteration run that saves every 5;
+    under scripts/launch.sh with MAX_RESTARTS=2 every rank restarts, resumes from iteration 5
+    (RNG streams included: dropout is on) and iterations 1-20 give the uninterrupted run's
+    losses."""
     layout = {"tensor-model-parallel-size": 2, "expert-model-parallel-size": 2,
               "expert-tensor-parallel-size": 2, "sequence-parallel": True,
               "use-distributed-optimizer": True, "hidden-dropout": 0.1,
-              "attention-dropout": 0.1, "lr-warmup-iters": 3, "lr-decay-iters": 20}
-    ckpt = tmp_path / "ckpt"
-    straight = launch(4, tiny_gpt_args(gpt_data, **layout, **{"train-iters": 20, "save": ckpt,
-                                                              "save-interval": 10}), tmp_path)
+              "attention-dropout": 0.1, "lr-warmup-iters": 3, "lr-decay-iters": 20,
+              "train-iters": 20, "save-interval": 5}
+    straight_ckpt, ckpt, losses = tmp_path / "straight", tmp_path / "ckpt", tmp_path / "l.json"
+    straight = launch(4, tiny_gpt_args(gpt_data, **layout, save=straight_ckpt), tmp_path)
     assert straight.returncode == 0, straight.output[-4000:]
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "20"
-    assert sorted(os.listdir(ckpt)) == ["iter_0000010", "iter_0000020",
-                                        "latest_checkpointed_iteration.txt"]  # no .tmp left
-    (ckpt / "latest_checkpointed_iteration.txt").write_text("10")  # as if it stopped at 10
+    assert (straight_ckpt / "latest_checkpointed_iteration.txt").read_text() == "20"
+    assert sorted(os.listdir(straight_ckpt)) == [f"iter_{i:07d}" for i in (5, 10, 15, 20)] + [
+        "latest_checkpointed_iteration.txt"]  # no .tmp left
 
-    resumed = launch(4, tiny_gpt_args(gpt_data, **layout, **{"train-iters": 20, "load": ckpt}),
-                     tmp_path)
-    assert resumed.returncode == 0, resumed.output[-4000:]
-    assert "resumed from" in resumed.output
-    assert "RNG streams not restored" not in resumed.output
-
-    assert [r["iteration"] for r in resumed.losses] == list(range(11, 21))
-    for step, (a, b) in enumerate(zip(straight.loss()[10:], resumed.loss()), start=11):
-        assert abs(a - b) <= 1e-6, f"iteration {step}: straight {a} vs resumed {b}"
+    run = subprocess.run(
+        ["bash", "scripts/launch.sh", "pretrain_gpt_moe.py",
+         *tiny_gpt_args(gpt_data, **layout, save=ckpt, load=ckpt, **{"log-losses-json": losses})],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "NPROC_PER_NODE": "4", "MASTER_PORT": str(free_port()),
+             "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MAX_RESTARTS": "2",
+             "PARM_FAULT": "kill:rank=2:iter=7"})
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-4000:]
+    assert "PARM_FAULT: rank 2: kill at iteration 7" in output
+    assert f"resumed from {ckpt} at iteration 5" in output
+    assert "RNG streams not restored" not in output
+    rows = json.loads(losses.read_text())
+    assert [r["iteration"] for r in rows] == list(range(1, 21))
+    for step, (a, b) in enumerate(zip(straight.loss(), [r["lm loss"] for r in rows]), start=1):
+        assert abs(a - b) <= 1e-6 * abs(a), f"iteration {step}: straight {a} vs restarted {b}"
 
 
 # --- resume under another layout -----------------------------------------------------------

@@ -2,8 +2,8 @@
 
 A Mixtral-shaped GPT-MoE (RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases) trained
 under TP2 x EP2 x ESP2 + SP exports to a MixtralForCausalLM that transformers loads with no
-missing or unexpected keys and whose logits and greedy continuation (generated on 1 rank, under
-TP2 x EP2 and under PP2 x TP2 x EP2 x ESP1) are the project's own; a Mixtral made by transformers
+missing or unexpected keys and whose logits and greedy continuation (generated on 1 rank and
+under PP2 x TP2 x EP2 x ESP1) are the project's own; a Mixtral made by transformers
 imports, trains under another layout with one rank's losses, and exports back bit for bit. A
 Qwen2-MoE (the class for --moe-router-pre-softmax and dense layers between MoE layers) does the
 same round trip with the same logits. transformers 4.x (make setup installs one beside 5.x)
@@ -109,9 +109,7 @@ def test_export_loads_in_transformers_with_the_same_logits(exported, gpt_data):
 def test_greedy_generation_matches_transformers(exported):
     ckpt, hf, _ = exported
     prompt_ids, ours_one = generate(1, ckpt)
-    _, ours_four = generate(4, ckpt, "--tensor-model-parallel-size", "2",
-                            "--expert-model-parallel-size", "2")
-    _, ours_pipelined = generate(4, ckpt, "--pipeline-model-parallel-size", "2",
+    _, ours_four = generate(4, ckpt, "--pipeline-model-parallel-size", "2",
                                  "--tensor-model-parallel-size", "2",
                                  "--expert-model-parallel-size", "2",
                                  "--expert-tensor-parallel-size", "1")
@@ -124,7 +122,6 @@ def test_greedy_generation_matches_transformers(exported):
     assert len(ours_one) == 20 or ours_one[-1] == model.config.eos_token_id
     assert ours_one == theirs
     assert ours_four == theirs
-    assert ours_pipelined == theirs
 
 
 def test_mixtral_round_trip_and_training(gpt_data, tmp_path):

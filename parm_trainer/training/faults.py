@@ -12,9 +12,9 @@ cause on purpose (as megatron's FT_SIM_FAULT_DESC), so that tests can check what
 
 rank defaults to every rank; kill-in-save without iter fires in the first save ("write": once
 this rank's shards are written, the others' perhaps not). A fault fires in the first attempt of
-a job only (TORCHELASTIC_RESTART_COUNT 0), so a restarted job runs clean. configure() reads the
-variable at start-up (a malformed one is an error there); unset, every hook is one comparison
-with None.
+a job (TORCHELASTIC_RESTART_COUNT 0), so a restarted job runs clean, unless it names another
+(attempt=N: in the N-th restart). configure() reads the variable at start-up (a malformed one
+is an error there); unset, every hook is one comparison with None.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class Fault:
     rank: Optional[int] = None
     iteration: Optional[int] = None
     phase: Optional[str] = None
+    attempt: int = 0
 
     def applies(self, rank: int, iteration: Optional[int]) -> bool:
         return ((self.rank is None or self.rank == rank)
@@ -53,9 +54,9 @@ def parse(text: str) -> list:
         values = {}
         for field in fields:
             key, _, value = field.partition("=")
-            if key not in ("rank", "iter", "phase") or not value:
-                raise FaultSpecError(f"PARM_FAULT {part!r}: {field!r} is not rank=N, iter=N "
-                                     f"or phase=NAME")
+            if key not in ("rank", "iter", "phase", "attempt") or not value:
+                raise FaultSpecError(f"PARM_FAULT {part!r}: {field!r} is not rank=N, iter=N, "
+                                     f"phase=NAME or attempt=N")
             values[key] = value
         phase = values.get("phase")
         if kind == "kill-in-save" and phase not in SAVE_PHASES:
@@ -65,9 +66,11 @@ def parse(text: str) -> list:
             raise FaultSpecError(f"PARM_FAULT {part!r}: give iter=N")
         try:
             faults.append(Fault(kind, int(values["rank"]) if "rank" in values else None,
-                                int(values["iter"]) if "iter" in values else None, phase))
+                                int(values["iter"]) if "iter" in values else None, phase,
+                                int(values.get("attempt", 0))))
         except ValueError:
-            raise FaultSpecError(f"PARM_FAULT {part!r}: rank and iter are integers") from None
+            raise FaultSpecError(f"PARM_FAULT {part!r}: rank, iter and attempt are "
+                                 f"integers") from None
     return faults
 
 
@@ -77,8 +80,9 @@ _FAULTS: Optional[list] = None
 def configure() -> None:
     global _FAULTS
     text = os.environ.get("PARM_FAULT")
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    _FAULTS = parse(text) if text and first_attempt else None
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    faults = [fault for fault in parse(text) if fault.attempt == attempt] if text else []
+    _FAULTS = faults or None
 
 
 def _rank() -> int:

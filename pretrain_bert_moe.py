@@ -14,6 +14,12 @@ the BERT-specific flags and providers (model, datasets, forward step and loss);
 parm_trainer.training runs the loop, exactly as for GPT.
 """
 
+import sys
+
+from parm_trainer.lazy_imports import skip_wandb_unless_asked
+
+skip_wandb_unless_asked(sys.argv)  # before megatron-core is imported (lazy_imports.py)
+
 from functools import partial
 
 import torch

@@ -12,6 +12,12 @@ This file holds only the GPT-specific providers (model, datasets, forward step a
 parm_trainer.training runs the loop. `scripts/` has launchers for one node, many nodes and slurm.
 """
 
+import sys
+
+from parm_trainer.lazy_imports import skip_wandb_unless_asked
+
+skip_wandb_unless_asked(sys.argv)  # before megatron-core is imported (lazy_imports.py)
+
 from functools import partial
 
 import torch

@@ -9,6 +9,11 @@ Greedy unless --temperature T (with --top-k K). Prints the prompt and its contin
 tokenizer come from the checkpoint (--tokenizer-model overrides the tokenizer).
 """
 
+import sys
+
+from parm_trainer.lazy_imports import skip_wandb_unless_asked
+
+skip_wandb_unless_asked(sys.argv)
 from parm_trainer.generation import main
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ stepped for the limit, its thread reads every rank's keys and ends the job:
 - otherwise every process is alive and one line names the rank furthest behind (a deadlock or a
   straggler, for example a save that never ends);
 - the first rank to fire prints the line (the store elects it); every rank that sees the abort
-  kills the stopped ranks on its own host (SIGKILL works on a stopped process) and exits 1.
+  kills the stopped ranks on its own host (SIGKILL works on a stopped process) and exits 1;
+- a rank that cannot reach the store (its node's link is down, or the store's node) says so in
+  its own line and exits 1 when its own limit passes: the limit is checked by a second thread
+  that never touches the store, so a store call that hangs cannot keep the rank alive.
 """
 
 from __future__ import annotations
@@ -36,11 +39,15 @@ class Watchdog:
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.last = (time.time(), 0, "set-up")  # (when, iteration, phase) of the loop's step
         self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="parm-watchdog", daemon=True)
+        self.reached_store = time.time()  # the last store call that returned
+        self.threads = [threading.Thread(target=self._run, name="parm-watchdog", daemon=True),
+                        threading.Thread(target=self._check_alone, name="parm-watchdog-limit",
+                                         daemon=True)]
 
     def start(self) -> "Watchdog":
         self._publish(time.time())
-        self.thread.start()
+        for thread in self.threads:
+            thread.start()
         return self
 
     def beat(self, iteration: int, phase: str) -> None:
@@ -48,12 +55,14 @@ class Watchdog:
 
     def stop(self) -> None:
         self.stopped.set()
-        self.thread.join(timeout=2 * PERIOD_S)
+        for thread in self.threads:
+            thread.join(timeout=2 * PERIOD_S)
 
     def _publish(self, now: float) -> None:
         when, iteration, phase = self.last
         self.store.set(f"hb/{self.rank}", json.dumps(
             [now, when, iteration, phase, self.pid, self.host]))
+        self.reached_store = time.time()
 
     def _beats(self) -> dict:
         out = {}
@@ -76,6 +85,19 @@ class Watchdog:
                     self._fire(now)
             except Exception:  # the store is gone: the job is ending anyway
                 return
+
+    def _check_alone(self) -> None:
+        """The limit without the store: past it (with a margin for the store-side check to
+        speak first) and the store silent, end this rank with its own line."""
+        while not self.stopped.wait(PERIOD_S):
+            now = time.time()
+            when, iteration, phase = self.last
+            if now - when > self.limit_s + 2 * PERIOD_S and now - self.reached_store > ALIVE_S:
+                self._end({}, now, (
+                    f"watchdog: rank {self.rank} made no progress for {now - when:.0f} s at "
+                    f"iteration {iteration} in {phase} and cannot reach the job's store for "
+                    f"{now - self.reached_store:.0f} s (its node's link, or the store's node, "
+                    f"is down; --watchdog-timeout-minutes)"))
 
     def _fire(self, now: float) -> None:
         beats = self._beats()

@@ -5,6 +5,7 @@ creates outlives it, also when the command fails. Needs root and `ip netns`; ski
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -50,27 +51,43 @@ def emulated(command, tmp_path, *flags, timeout=300):
     return run, sorted(set(_leftovers()) - before)
 
 
-def test_two_nodes_train_like_one(gpt_data, tmp_path):
-    """TP2 x EP2 x ESP2 + SP: MP and ESP inside a node, EP across the shaped link. The losses of
-    the 2 x 2 launch must equal those of the same 4 ranks on one node."""
+def test_two_nodes_train_like_one_and_survive_a_failed_link(gpt_data, tmp_path):
+    """TP2 x EP2 x ESP2 + SP: MP and ESP inside a node, EP across the shaped link. Node 1's link
+    goes down as iteration 4 is logged: both nodes end within the watchdog's limit plus 10 s.
+    Launched again with the link back, the run resumes from its checkpoint at 3, and iterations
+    1-8 (3 before the failure, 5 after) equal those of the same 4 ranks on one node."""
     flags = {"tensor-model-parallel-size": 2, "expert-model-parallel-size": 2,
-             "expert-tensor-parallel-size": 2, "sequence-parallel": True}
+             "expert-tensor-parallel-size": 2, "sequence-parallel": True, "train-iters": 8}
     single = launch(4, tiny_gpt_args(gpt_data, **flags), tmp_path)
     assert single.returncode == 0, single.output[-3000:]
 
-    losses_json = tmp_path / "emulated_losses.json"
-    run, left = emulated(["pretrain_gpt_moe.py", *tiny_gpt_args(gpt_data, **flags),
-                          "--log-losses-json", str(losses_json)],
-                         tmp_path, "--inter-node-bandwidth", "200mbit")
+    losses_json, ckpt, limit_s = tmp_path / "emulated_losses.json", tmp_path / "ckpt", 15
+    command = ["pretrain_gpt_moe.py", *tiny_gpt_args(gpt_data, **flags, save=ckpt, load=ckpt),
+               "--save-interval", "3", "--watchdog-timeout-minutes", str(limit_s / 60),
+               "--log-losses-json", str(losses_json)]
+    start = time.monotonic()
+    failed, left = emulated(command, tmp_path, "--inter-node-bandwidth", "200mbit",
+                            "--fail-link-at", "iteration      4/")
+    took = time.monotonic() - start
+    assert failed.returncode != 0 and left == [], failed.stdout[-3000:] + failed.stderr[-3000:]
+    cut = re.search(r"took node 1's link down ([0-9.]+) s after the launch", failed.stdout)
+    assert cut, failed.stdout[-3000:]
+    assert took - float(cut.group(1)) <= limit_s + 10, (took, cut.group(1))
+    node0, node1 = ((tmp_path / f"logs/node{i}.log").read_text() for i in (0, 1))
+    assert "rank 2 (and rank 3) stopped responding" in node0, node0[-3000:]
+    assert "cannot reach the job's store" in node1, node1[-3000:]
+
+    run, left = emulated(command, tmp_path, "--inter-node-bandwidth", "200mbit")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert left == [], left
     # node 0's output streams to the terminal; every node's is kept in its own file, and the
     # training log (megatron prints on the last rank) is in node 1's
     assert run.stdout.startswith("emulated_cluster: 2 nodes x 2 ranks")
     assert "iteration" in (tmp_path / "logs/node1.log").read_text()
-    got = [row["lm loss"] for row in json.loads(losses_json.read_text())]
-    want = single.loss()
-    assert len(got) == len(want) == 5
+    assert f"resumed from {ckpt} at iteration 3" in run.stdout  # rank 0's line
+    rows = json.loads(losses_json.read_text())
+    assert [row["iteration"] for row in rows] == list(range(1, 9))
+    got, want = [row["lm loss"] for row in rows], single.loss()
     assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < 1e-5, (got, want)
 
 

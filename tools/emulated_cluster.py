@@ -18,6 +18,11 @@ multi-node launcher (scripts/launch.sh, torchrun), exactly as on a real cluster:
   MASTER_PORT and GLOO_SOCKET_IFNAME (the node's veth) set, so gloo binds to the emulated
   network and nothing leaves the namespaces.
 
+To test what a job does when a node's link fails mid-run, --fail-link-after S (seconds after
+the launch) or --fail-link-at TEXT (when a node's output first shows TEXT, for example
+"iteration        4/") takes the last node's link down (--fail-node picks another); the link
+stays down until the cluster is removed.
+
 Node 0's output (ranks 0 .. P-1) streams to this terminal; every node's output is kept in
 --log-dir/node<i>.log. The exit status is the first failing node's (0 when all succeed); when a
 node fails, the others get --grace seconds to notice, then are stopped. Everything created
@@ -118,6 +123,10 @@ class Cluster:
     def device(self, node: int) -> str:
         return f"{self.tag}v{node}"
 
+    def cut_link(self, node: int) -> None:
+        """Take node's link to the bridge down: its packets to and from the others are lost."""
+        _run("ip", "link", "set", f"{self.tag}h{node}", "down")
+
     def __enter__(self) -> "Cluster":
         try:
             self._create()
@@ -214,17 +223,35 @@ def node_env(cluster: Cluster, node: int, procs: int, port: int) -> dict:
     return env
 
 
-def _pump(stream, log, echo) -> None:
+def _pump(stream, log, echo, watch=None) -> None:
+    """Copy a node's output to its log (and the terminal); watch: (text, event) to set when a
+    line shows text."""
     for line in iter(stream.readline, ""):
         log.write(line)
         log.flush()
         if echo:
             sys.stdout.write(line)
             sys.stdout.flush()
+        if watch and watch[0] in line:
+            watch[1].set()
+
+
+class LinkFault:
+    """When to take a node's link down: after seconds, or when a node's output shows text."""
+
+    def __init__(self, node: int, after_s: float | None = None, text: str | None = None):
+        self.node, self.after_s, self.text = node, after_s, text
+        self.seen = threading.Event()
+        self.done = False
+
+    def due(self, elapsed: float) -> bool:
+        if self.done:
+            return False
+        return self.seen.is_set() or (self.after_s is not None and elapsed >= self.after_s)
 
 
 def run_on_cluster(cluster: Cluster, procs: int, command: list, log_dir: str, port: int,
-                   grace: float) -> int:
+                   grace: float, link_fault: LinkFault | None = None) -> int:
     os.makedirs(log_dir, exist_ok=True)
     launcher = ["bash", os.path.join(ROOT, "scripts", "launch.sh"), *command]
     children, pumps, logs = [], [], []
@@ -235,13 +262,20 @@ def run_on_cluster(cluster: Cluster, procs: int, command: list, log_dir: str, po
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  start_new_session=True)
         children.append(child)
-        pump = threading.Thread(target=_pump, args=(child.stdout, logs[-1], node == 0),
+        watch = (link_fault.text, link_fault.seen) if link_fault and link_fault.text else None
+        pump = threading.Thread(target=_pump, args=(child.stdout, logs[-1], node == 0, watch),
                                 daemon=True)
         pump.start()
         pumps.append(pump)
     failures, stopped, first_failure = [], set(), None  # (node, status) in order of failing
+    started = time.monotonic()
     try:
         while any(c.poll() is None for c in children):
+            if link_fault and link_fault.due(time.monotonic() - started):
+                cluster.cut_link(link_fault.node)
+                link_fault.done = True
+                print(f"emulated_cluster: took node {link_fault.node}'s link down "
+                      f"{time.monotonic() - started:.1f} s after the launch", flush=True)
             for node, c in enumerate(children):
                 if c.poll() not in (None, 0) and node not in dict(failures):
                     failures.append((node, c.returncode))
@@ -296,6 +330,12 @@ def parse(argv):
     p.add_argument("--log-dir", default="runs/emulated_cluster")
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds the other nodes get to exit after one fails")
+    p.add_argument("--fail-link-after", type=float, default=None, metavar="S",
+                   help="take a node's link down S seconds after the launch")
+    p.add_argument("--fail-link-at", default=None, metavar="TEXT",
+                   help="take a node's link down when a node's output first shows TEXT")
+    p.add_argument("--fail-node", type=int, default=None,
+                   help="the node whose link fails (default: the last)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...] after --")
     args = p.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -311,6 +351,8 @@ def parse(argv):
                 "200mbit or 1gbit")
     if args.inter_node_latency and not DELAY.match(args.inter_node_latency):
         p.error(f"--inter-node-latency {args.inter_node_latency!r}: a delay such as 1ms")
+    if args.fail_node is not None and not 0 <= args.fail_node < args.nodes:
+        p.error(f"--fail-node {args.fail_node}: a node from 0 to {args.nodes - 1}")
     return args
 
 
@@ -337,8 +379,12 @@ def main(argv=None) -> int:
                   + (f", {args.inter_node_latency} latency" if args.inter_node_latency else "")
                   + f", master {cluster.address(0)}:{args.master_port}; logs in {args.log_dir}",
                   flush=True)
+            fault = None
+            if args.fail_link_after is not None or args.fail_link_at:
+                node = args.nodes - 1 if args.fail_node is None else args.fail_node
+                fault = LinkFault(node, args.fail_link_after, args.fail_link_at)
             return run_on_cluster(cluster, args.procs_per_node, args.command, args.log_dir,
-                                  args.master_port, args.grace)
+                                  args.master_port, args.grace, fault)
     except ClusterError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -36,7 +36,7 @@ class Watchdog:
     def __init__(self, limit_s: float, store, rank: int, world: int):
         self.limit_s, self.rank, self.world = limit_s, rank, world
         self.store = store
-        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.host, self.pid = _host(), os.getpid()
         self.last = (time.time(), 0, "set-up")  # (when, iteration, phase) of the loop's step
         self.stopped = threading.Event()
         self.reached_store = time.time()  # the last store call that returned
@@ -120,6 +120,15 @@ class Watchdog:
         os._exit(1)
 
 
+def _host() -> str:
+    """This process's host as far as signals go: its name and network namespace (emulated nodes
+    share the name and the process ids, not the namespace)."""
+    try:
+        return f"{socket.gethostname()}/{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:
+        return socket.gethostname()
+
+
 def describe(beats: dict, world: int, me: int, now: float, limit_s: float, mine: tuple) -> str:
     """The one line: who stopped (or is furthest behind), where, and what this rank waited in."""
     _, iteration, phase = mine
@@ -132,8 +141,9 @@ def describe(beats: dict, world: int, me: int, now: float, limit_s: float, mine:
         _, _, it, ph, pid, host = beats[r]
         others = f" (and rank{'s' if len(dead) > 2 else ''} {', '.join(map(str, dead[1:]))})" \
             if len(dead) > 1 else ""
-        return (f"watchdog: rank {r}{others} stopped responding {now - beats[r][0]:.0f} s ago "
-                f"at iteration {it} in {ph} (pid {pid} on {host}); {waited}; the job is ended")
+        return (f"watchdog: rank {r}{others} stopped responding: last heard from "
+                f"{now - beats[r][0]:.0f} s ago, at iteration {it} in {ph} (pid {pid} on "
+                f"{host.split('/')[0]}); {waited}; the job is ended")
     if missing:
         return f"watchdog: rank {missing[0]} never reported; {waited}; the job is ended"
     r = min(beats, key=lambda k: (beats[k][2], beats[k][1]))

@@ -142,8 +142,9 @@ def describe(beats: dict, world: int, me: int, now: float, limit_s: float, mine:
         others = f" (and rank{'s' if len(dead) > 2 else ''} {', '.join(map(str, dead[1:]))})" \
             if len(dead) > 1 else ""
         return (f"watchdog: rank {r}{others} stopped responding: last heard from "
-                f"{now - beats[r][0]:.0f} s ago, at iteration {it} in {ph} (pid {pid} on "
-                f"{host.split('/')[0]}); {waited}; the job is ended")
+                f"{now - beats[r][0]:.0f} s ago (pid {pid} on {host.split('/')[0]}; its "
+                f"heartbeat, at most {PERIOD_S:.0f} s old then, said iteration {it} in {ph}); "
+                f"{waited}; the job is ended")
     if missing:
         return f"watchdog: rank {missing[0]} never reported; {waited}; the job is ended"
     r = min(beats, key=lambda k: (beats[k][2], beats[k][1]))

@@ -223,31 +223,39 @@ def node_env(cluster: Cluster, node: int, procs: int, port: int) -> dict:
     return env
 
 
-def _pump(stream, log, echo, watch=None) -> None:
-    """Copy a node's output to its log (and the terminal); watch: (text, event) to set when a
-    line shows text."""
+def _pump(stream, log, echo, link_fault=None) -> None:
+    """Copy a node's output to its log (and the terminal); a line showing link_fault's text
+    takes the link down at once."""
     for line in iter(stream.readline, ""):
         log.write(line)
         log.flush()
         if echo:
             sys.stdout.write(line)
             sys.stdout.flush()
-        if watch and watch[0] in line:
-            watch[1].set()
+        if link_fault and link_fault.text and link_fault.text in line:
+            link_fault.cut()
 
 
 class LinkFault:
-    """When to take a node's link down: after seconds, or when a node's output shows text."""
+    """Takes a node's link down once: after seconds, or when a node's output shows text."""
 
-    def __init__(self, node: int, after_s: float | None = None, text: str | None = None):
-        self.node, self.after_s, self.text = node, after_s, text
-        self.seen = threading.Event()
-        self.done = False
+    def __init__(self, cluster: "Cluster", node: int, after_s: float | None = None,
+                 text: str | None = None):
+        self.cluster, self.node, self.after_s, self.text = cluster, node, after_s, text
+        self.lock, self.done, self.started = threading.Lock(), False, time.monotonic()
 
-    def due(self, elapsed: float) -> bool:
-        if self.done:
-            return False
-        return self.seen.is_set() or (self.after_s is not None and elapsed >= self.after_s)
+    def cut(self) -> None:
+        with self.lock:
+            if self.done:
+                return
+            self.cluster.cut_link(self.node)
+            self.done = True
+        print(f"emulated_cluster: took node {self.node}'s link down "
+              f"{time.monotonic() - self.started:.1f} s after the launch", flush=True)
+
+    def poll(self) -> None:
+        if self.after_s is not None and time.monotonic() - self.started >= self.after_s:
+            self.cut()
 
 
 def run_on_cluster(cluster: Cluster, procs: int, command: list, log_dir: str, port: int,
@@ -262,20 +270,15 @@ def run_on_cluster(cluster: Cluster, procs: int, command: list, log_dir: str, po
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  start_new_session=True)
         children.append(child)
-        watch = (link_fault.text, link_fault.seen) if link_fault and link_fault.text else None
-        pump = threading.Thread(target=_pump, args=(child.stdout, logs[-1], node == 0, watch),
-                                daemon=True)
+        pump = threading.Thread(target=_pump, args=(child.stdout, logs[-1], node == 0,
+                                                    link_fault), daemon=True)
         pump.start()
         pumps.append(pump)
     failures, stopped, first_failure = [], set(), None  # (node, status) in order of failing
-    started = time.monotonic()
     try:
         while any(c.poll() is None for c in children):
-            if link_fault and link_fault.due(time.monotonic() - started):
-                cluster.cut_link(link_fault.node)
-                link_fault.done = True
-                print(f"emulated_cluster: took node {link_fault.node}'s link down "
-                      f"{time.monotonic() - started:.1f} s after the launch", flush=True)
+            if link_fault:
+                link_fault.poll()
             for node, c in enumerate(children):
                 if c.poll() not in (None, 0) and node not in dict(failures):
                     failures.append((node, c.returncode))
@@ -382,7 +385,7 @@ def main(argv=None) -> int:
             fault = None
             if args.fail_link_after is not None or args.fail_link_at:
                 node = args.nodes - 1 if args.fail_node is None else args.fail_node
-                fault = LinkFault(node, args.fail_link_after, args.fail_link_at)
+                fault = LinkFault(cluster, node, args.fail_link_after, args.fail_link_at)
             return run_on_cluster(cluster, args.procs_per_node, args.command, args.log_dir,
                                   args.master_port, args.grace, fault)
     except ClusterError as error:

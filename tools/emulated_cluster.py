@@ -20,7 +20,7 @@ multi-node launcher (scripts/launch.sh, torchrun), exactly as on a real cluster:
 
 To test what a job does when a node's link fails mid-run, --fail-link-after S (seconds after
 the launch) or --fail-link-at TEXT (when a node's output first shows TEXT, for example
-"iteration        4/") takes the last node's link down (--fail-node picks another); the link
+"iteration      4/") takes the last node's link down (--fail-node picks another); the link
 stays down until the cluster is removed.
 
 Node 0's output (ranks 0 .. P-1) streams to this terminal; every node's output is kept in
@@ -123,9 +123,13 @@ class Cluster:
     def device(self, node: int) -> str:
         return f"{self.tag}v{node}"
 
+    def host_end(self, node: int) -> str:
+        """The bridge's end of node's veth link."""
+        return f"{self.tag}h{node}"
+
     def cut_link(self, node: int) -> None:
         """Take node's link to the bridge down: its packets to and from the others are lost."""
-        _run("ip", "link", "set", f"{self.tag}h{node}", "down")
+        _run("ip", "link", "set", self.host_end(node), "down")
 
     def __enter__(self) -> "Cluster":
         try:
@@ -154,7 +158,7 @@ class Cluster:
                 f.write(hosts)
             _run("ip", "netns", "add", ns)
             self.created.append(("netns", ns))
-            host_end, node_end = f"{self.tag}h{i}", self.device(i)
+            host_end, node_end = self.host_end(i), self.device(i)
             _run("ip", "link", "add", host_end, "type", "veth", "peer", "name", node_end)
             self.created.append(("link", host_end))
             _run("ip", "link", "set", node_end, "netns", ns)

@@ -62,8 +62,8 @@ def strays(root: str) -> list:
     if not os.path.isdir(root):
         return []
     latest = read_tracker(root)
-    lines = [f"ignored {os.path.join(root, name)}: a save that did not finish (the next save "
-             f"removes it)" for name in sorted(os.listdir(root))
+    lines = [f"ignored {os.path.join(root, name)}: left by a save that did not finish (the next "
+             f"save removes it)" for name in sorted(os.listdir(root))
              if name.startswith("iter_") and name.endswith((".tmp", ".old"))]
     lines += [f"ignored {iteration_dir(root, it)}: newer than {TRACKER} ({latest}), its save "
               f"was interrupted before it was recorded" for it in iterations(root)

@@ -166,6 +166,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
     optimizer None: the weights alone (the converters' checkpoints), which load as a start
     with a fresh optimizer."""
     start = time.perf_counter()
+    watchdog.beat(iteration, "save (writing)")
     rank = torch.distributed.get_rank()
     final, tmp = iteration_dir(root, iteration), iteration_dir(root, iteration) + ".tmp"
     if rank == 0:
@@ -184,7 +185,6 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
                            is_loading=False, with_rng=whole)
     _results_queue_without_spawn()
     failure = None
-    watchdog.beat(iteration, "save (writing)")
     try:
         dist_checkpointing.save(state, tmp, content_metadata=metadata)
         faults.in_save("write", iteration)
@@ -207,10 +207,9 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
 def _agree_saved(failure, tmp: str, final: str) -> None:
     """Every rank learns whether every rank wrote its part; if one did not, all raise the same
     CheckpointError (the first failing rank's reason) and the partial directory goes."""
-    verdict = [None if failure is None else
-               (torch.distributed.get_rank(), _describe(failure))]
+    verdict = None if failure is None else (torch.distributed.get_rank(), _describe(failure))
     gathered = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, verdict[0])
+    torch.distributed.all_gather_object(gathered, verdict)
     failed = [entry for entry in gathered if entry is not None]
     if not failed:
         return
@@ -224,7 +223,8 @@ def _agree_saved(failure, tmp: str, final: str) -> None:
 
 def _rename_over(tmp: str, final: str) -> None:
     """tmp -> final; an existing final (this iteration saved before) is moved aside first and
-    removed after, so that a crash in between never leaves the tracker naming nothing."""
+    removed after: a crash leaves the tracker naming nothing only between the two renames, not
+    for as long as removing a whole directory takes."""
     aside = final + ".old"
     shutil.rmtree(aside, ignore_errors=True)
     if os.path.exists(final):

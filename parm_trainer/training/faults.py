@@ -120,5 +120,5 @@ def in_save(phase: str, iteration: int) -> None:
         return
     for fault in _FAULTS:
         if fault.kind == "kill-in-save" and fault.phase == phase and fault.applies(
-                _rank(), None if fault.iteration is None else iteration):
+                _rank(), iteration):
             _die(signal.SIGKILL, f"killed in the save of iteration {iteration} ({phase})")

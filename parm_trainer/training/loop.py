@@ -179,7 +179,6 @@ class Trainer:
 
     def save(self):
         if self.args.save:
-            watchdog.beat(self.iteration, "save")
             path, seconds = checkpointing.save_checkpoint(
                 self.args.save, self.iteration, self.model, self.optimizer, self.scheduler,
                 self.consumed, self.args)
@@ -279,7 +278,6 @@ def pretrain(args, model_provider: Callable, datasets_provider: Callable,
     forward_step's loss function reports a (sum, count) pair under each of loss_names."""
     trainer = Trainer(args, model_provider, datasets_provider, forward_step, loss_names)
     trainer.train()
-    watchdog.beat(trainer.iteration, "the end of training")
     watchdog.stop()
     # Orderly shutdown: a process group left to the interpreter's exit can abort a rank
     # ("terminate called without an active exception") while gloo's threads are torn down.

@@ -11,7 +11,9 @@ argparse.Namespace with derived fields filled in (data-parallel size, number of 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -271,6 +273,25 @@ def _check(args) -> None:
     if args.watchdog_timeout_minutes < 0:
         raise ArgumentsError(f"--watchdog-timeout-minutes must be 0 (off) or positive, got "
                              f"{args.watchdog_timeout_minutes}")
+    for flag in ("lr", "weight_decay", "eval_iters", "num_workers"):
+        if getattr(args, flag) < 0:
+            raise ArgumentsError(f"--{flag.replace('_', '-')} must not be negative, got "
+                                 f"{getattr(args, flag)}")
+    if not 0 <= args.min_lr <= args.lr:
+        raise ArgumentsError(f"--min-lr {args.min_lr} must be between 0 and --lr {args.lr}")
+    if not _split_is_valid(args.split):
+        raise ArgumentsError(f"--split {args.split!r} must be up to three non-negative "
+                             f"train,valid,test proportions with a positive sum, e.g. 969,30,1")
+
+
+def _split_is_valid(split: str) -> bool:
+    """Whether --split is 1 to 3 non-negative numbers with a positive sum. megatron-core keeps
+    only its digits and dots, so it would read '100,-1,1' as 100,1,1 and '1,x' as 1,0,0."""
+    try:
+        values = [float(part) for part in re.split(r"[,/\s]+", split.strip())]
+    except ValueError:
+        return False
+    return 1 <= len(values) <= 3 and all(0 <= v < math.inf for v in values) and sum(values) > 0
 
 
 def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:

@@ -36,8 +36,11 @@ def _own_flags(argv):
 def generation_args(argv=None):
     """(generation flags, pretrain's args: the checkpoint's model, the command line's layout)."""
     own, rest = _own_flags(argv)
-    path = files.latest_dir(own.load_dir)
-    description = files.read_description(path)
+    try:
+        path = files.latest_dir(own.load_dir)
+        description = files.read_description(path)
+    except files.CheckpointError as error:  # as tools/checkpoint/convert.py says it
+        raise files.CheckpointError(f"--load-dir {error}") from None
     if description.get("model", "gpt") != "gpt":
         raise files.CheckpointError(
             f"--load-dir {own.load_dir} holds an MoE {description['model'].upper()} model; "
@@ -49,6 +52,9 @@ def generation_args(argv=None):
             setattr(args, name, saved[name])
     if "--tokenizer-model" not in rest:
         args.tokenizer_model = os.path.join(path, files.TOKENIZER)
+        if not os.path.isfile(args.tokenizer_model):
+            raise files.CheckpointError(f"--load-dir {own.load_dir}: no {files.TOKENIZER} in "
+                                        f"{path}; give --tokenizer-model")
     args.sequence_parallel = False  # a prompt of any length
     if "--moe-parm-schedule" not in rest:
         args.moe_parm_schedule, args.moe_parm_chunks = "s1", 1

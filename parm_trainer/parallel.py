@@ -31,6 +31,14 @@ def validate_layout(args: argparse.Namespace) -> None:
     for flag, size in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
                        ("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp)):
         _require(size >= 1, f"{flag} must be at least 1, got {size}")
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "max_position_embeddings"):  # zero would divide by zero below or in megatron
+        _require(getattr(args, name) >= 1,
+                 f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.position_embedding_type == "learned_absolute":
+        _require(args.seq_length <= args.max_position_embeddings,
+                 f"--seq-length {args.seq_length} is longer than --max-position-embeddings "
+                 f"{args.max_position_embeddings} (the learned position table)")
     _require(world % (tp * pp) == 0,
              f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} "
              f"does not divide the world size {world}")
@@ -76,6 +84,9 @@ def _validate_moe(args, tp, ep, etp) -> None:
              f"--num-experts {experts} is not divisible by --expert-model-parallel-size {ep}")
     _require(1 <= args.moe_router_topk <= experts,
              f"--moe-router-topk {args.moe_router_topk} must be between 1 and --num-experts {experts}")
+    _require(args.moe_expert_capacity_factor is None or args.moe_expert_capacity_factor > 0,
+             f"--moe-expert-capacity-factor must be positive, got "
+             f"{args.moe_expert_capacity_factor}")
     _require(args.moe_router_topk > 1 or args.moe_router_pre_softmax,
              "--moe-router-topk 1 needs --moe-router-pre-softmax: a softmax over the one chosen "
              "logit is 1 and gives the router no gradient")

@@ -16,9 +16,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [ $# -lt 1 ]; then
-    echo "usage: bash scripts/launch.sh SCRIPT [ARGS...]" >&2
+    echo "error: no script to run; usage: bash scripts/launch.sh SCRIPT [ARGS...]" >&2
     exit 2
 fi
+# refused here, once, rather than by every rank torchrun would start
+if [[ "$1" != -* && ! -f "$1" ]]; then
+    echo "error: scripts/launch.sh: no such script $1 (paths are relative to $PWD)" >&2
+    exit 2
+fi
+for name in NNODES NODE_RANK MAX_RESTARTS MASTER_PORT; do
+    whole='^[0-9]+$'
+    if [ "$name" = NNODES ]; then whole='^[0-9]+(:[0-9]+)?$'; fi  # torchrun's MIN:MAX
+    if [ -n "${!name:-}" ] && ! [[ "${!name}" =~ $whole ]]; then
+        echo "error: $name=${!name} must be a whole number" >&2
+        exit 2
+    fi
+done
 # the project's environment (make setup) when there is one
 if [ -z "${PYTHON:-}" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python; fi

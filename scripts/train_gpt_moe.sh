@@ -17,6 +17,12 @@ PRETRAIN=${PRETRAIN:-pretrain_gpt_moe.py}
 
 TP=${TP:-2}; EP=${EP:-2}; ETP=${ETP:-$TP}; PP=${PP:-1}
 NUM_EXPERTS=${NUM_EXPERTS:-4}; TOPK=${TOPK:-2}
+for name in TP EP ETP PP NUM_EXPERTS TOPK; do  # TP is compared below; all are flag values
+    if ! [[ "${!name}" =~ ^[1-9][0-9]*$ ]]; then
+        echo "error: $name=${!name} must be a positive whole number" >&2
+        exit 2
+    fi
+done
 DATA_PATH=${DATA_PATH:-data/demo/corpus_text_document}
 TOKENIZER_MODEL=${TOKENIZER_MODEL:-data/demo/tokenizer.model}
 RUN_DIR=${RUN_DIR:-runs/gpt_moe}

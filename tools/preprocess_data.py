@@ -40,7 +40,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-from parm_trainer.data.jsonl import parse_record  # noqa: E402
+from parm_trainer.data.jsonl import make_output_dir, parse_record  # noqa: E402
 from parm_trainer.data.tokenizer import build_tokenizer  # noqa: E402
 
 # The sentence splitter described in the docstring above.
@@ -155,7 +155,7 @@ class Writers:
 
 def preprocess(args):
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
+    make_output_dir(args.output_prefix)
     writers = Writers(args, tokenizer.vocab_size)
     start = time.time()
     done = total_bytes = 0
@@ -171,6 +171,9 @@ def preprocess(args):
                     elapsed = time.time() - start
                     print(f"processed {done} documents ({done / elapsed:.0f} docs/s, "
                           f"{total_bytes / elapsed / 1e6:.2f} MB/s)", file=sys.stderr)
+        if not any(writers.documents.values()):
+            raise ValueError(f"--input {args.input} holds no documents (every line is blank or "
+                             f"its --json-keys text is empty)")
         writers.finalize()
     except BaseException:
         writers.discard()
@@ -223,6 +226,8 @@ def main(argv=None):
         sys.exit(f"error: --input {args.input} not found")
     try:
         preprocess(args)
+    except UnicodeDecodeError as err:
+        sys.exit(f"error: --input {args.input} is not UTF-8 text ({err.reason})")
     except (ValueError, FileNotFoundError) as err:
         sys.exit(f"error: {err}")
 

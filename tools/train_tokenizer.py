@@ -26,7 +26,7 @@ import time
 import sentencepiece as spm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from parm_trainer.data.jsonl import iter_jsonl_texts  # noqa: E402
+from parm_trainer.data.jsonl import iter_jsonl_texts, make_output_dir  # noqa: E402
 from parm_trainer.data.tokenizer import BERT_SYMBOLS  # noqa: E402
 
 SPECIAL_IDS = {"pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
@@ -65,10 +65,12 @@ def sample_lines(lines, size, seed):
 
 def train(args):
     """Run the SentencePiece trainer; it writes PREFIX.model and PREFIX.vocab."""
-    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
-    os.makedirs(out_dir, exist_ok=True)
+    make_output_dir(args.output_prefix)
     lines = sample_lines(iter_training_lines(args.input, args.json_keys),
                          args.input_sentence_size, args.seed)
+    if not lines:  # sentencepiece would say only "[!sentences_.empty()]"
+        raise ValueError(f"--input {args.input} has no text to train on (no non-blank line "
+                         f"under --json-keys {' '.join(args.json_keys)})")
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(lines),
         model_prefix=args.output_prefix,
@@ -127,10 +129,17 @@ def main(argv=None):
     start = time.time()
     try:
         train(args)
-    except (ValueError, RuntimeError) as err:
-        # RuntimeError: SentencePiece's own checks, e.g. a vocabulary larger
-        # than the corpus supports ("Vocabulary size is too high ...").
+    except UnicodeDecodeError as err:
+        sys.exit(f"error: --input {args.input} is not UTF-8 text ({err.reason})")
+    except ValueError as err:
         sys.exit(f"error: {err}")
+    except RuntimeError as err:
+        # SentencePiece's own checks, e.g. a vocabulary larger than the corpus
+        # supports: "INTERNAL: src/trainer_interface.cc(...) [condition] Vocabulary
+        # size is too high ..."; the words after the condition say it.
+        said = str(err).split("] ", 1)[-1]
+        sys.exit(f"error: sentencepiece cannot train --vocab-size {args.vocab_size} on "
+                 f"--input {args.input}: {said}")
     sp = spm.SentencePieceProcessor(model_file=args.output_prefix + ".model")
     print(f"wrote {args.output_prefix}.model and .vocab: {args.model_type}, "
           f"vocab size {sp.vocab_size()}, pad/unk/bos/eos = {sp.pad_id()}/{sp.unk_id()}/"

@@ -206,7 +206,11 @@ def import_from_hf(load_dir: str, save_dir: str, tokenizer_model: str | None = N
     from parm_trainer.models.config import padded_vocab_size
     from parm_trainer.training import checkpointing
 
-    sp_vocab = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model).vocab_size()
+    try:
+        sp_vocab = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model).vocab_size()
+    except (RuntimeError, OSError) as error:  # "could not parse ModelProto"
+        raise ConvertError(f"--tokenizer-model {tokenizer_model} is not a SentencePiece model "
+                           f"({error})") from None
     hf_vocab = config["vocab_size"]
     padded = padded_vocab_size(sp_vocab, 1)
     if not sp_vocab <= hf_vocab <= padded:

@@ -1,8 +1,10 @@
-"""Reading the jsonl corpora the data tools take (one JSON object per line)."""
+"""Reading the jsonl corpora the data tools take (one JSON object per line), and making
+the directory of their --output-prefix."""
 
 from __future__ import annotations
 
 import json
+import os
 
 
 def parse_record(path, lineno, line, keys):
@@ -31,3 +33,13 @@ def iter_jsonl_texts(path, keys):
                 record = parse_record(path, lineno, line, keys)
                 for key in keys:
                     yield record[key]
+
+
+def make_output_dir(prefix):
+    """Create the directory --output-prefix writes into; ValueError naming the flag if not."""
+    directory = os.path.dirname(os.path.abspath(prefix))
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--output-prefix {prefix}: cannot create {directory} "
+                         f"({err.strerror})") from None

@@ -134,12 +134,20 @@ class SentencePieceTokenizer(MegatronLegacyTokenizer):
 TOKENIZERS = {"SentencePieceTokenizer": SentencePieceTokenizer}
 
 
+class TokenizerError(ValueError):
+    """An unsupported --tokenizer-type, or a --tokenizer-model that does not load."""
+
+
 def build_tokenizer(tokenizer_type: str, tokenizer_model: str):
     """Build the tokenizer named by --tokenizer-type from --tokenizer-model."""
     if tokenizer_type not in TOKENIZERS:
-        raise ValueError(f"unsupported --tokenizer-type {tokenizer_type!r}; "
-                         f"choose from {', '.join(TOKENIZERS)}")
+        raise TokenizerError(f"unsupported --tokenizer-type {tokenizer_type!r}; "
+                             f"choose from {', '.join(TOKENIZERS)}")
     if not tokenizer_model or not os.path.isfile(tokenizer_model):
         raise FileNotFoundError(f"--tokenizer-model {tokenizer_model} not found "
                                 f"(train one with tools/train_tokenizer.py)")
-    return TOKENIZERS[tokenizer_type](tokenizer_model)
+    try:
+        return TOKENIZERS[tokenizer_type](tokenizer_model)
+    except (RuntimeError, OSError) as error:  # sentencepiece: "could not parse ModelProto"
+        raise TokenizerError(f"--tokenizer-model {tokenizer_model} is not a SentencePiece model "
+                             f"({error}); train one with tools/train_tokenizer.py") from None

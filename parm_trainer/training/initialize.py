@@ -16,7 +16,7 @@ import torch
 
 from parm_trainer.arguments import ArgumentsError, parse_args
 from parm_trainer.compat import cpu
-from parm_trainer.data.tokenizer import build_tokenizer
+from parm_trainer.data.tokenizer import TokenizerError, build_tokenizer
 from parm_trainer.models.config import padded_vocab_size
 from parm_trainer.moe.auto import resolve_auto_schedule
 from parm_trainer.moe.cost_model import ProfileError
@@ -42,8 +42,17 @@ def _check_inputs(args) -> None:
     prefixes, _ = parse_data_path(args.data_path)
     for prefix in prefixes:  # missing, corrupt or truncated files fail here, on every rank
         check_indexed_dataset(prefix)
-    if args.load and os.path.exists(args.load) and not os.path.isdir(args.load):
-        raise InputError(f"--load {args.load} is not a directory")
+    for flag in ("load", "save", "tensorboard_dir", "data_cache_path", "wandb_save_dir"):
+        path = getattr(args, flag)
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise InputError(f"--{flag.replace('_', '-')} {path} is not a directory")
+    if args.load and os.path.isdir(args.load):
+        from parm_trainer.training.checkpoint_files import CheckpointError, read_tracker
+
+        try:  # now, on every rank alike, rather than after the model is built
+            read_tracker(args.load)
+        except CheckpointError as error:
+            raise InputError(f"--load {args.load}: {error}") from None
 
 
 def initialize(argv=None, extra_args_provider=None, check_inputs=None):
@@ -85,7 +94,7 @@ def user_errors(*extra_types):
     from parm_trainer.training.loop import NonFiniteLossError
 
     known = (ArgumentsError, LayoutError, InputError, CheckpointError, DataError, NonFiniteLossError,
-             ProfileError, faults.FaultSpecError,
+             ProfileError, faults.FaultSpecError, TokenizerError,
              FileNotFoundError,
              *extra_types)
     try:

@@ -1,0 +1,278 @@
+"""Bad input on every entry point, checked in this process: one `error` line, a non-zero exit.
+
+The cases of docs/bad_input.md that need no torchrun launch (tests/test_bad_input.py has those).
+The training and generation entry points run their real main(argv): every check they make
+before any communication is the same on every rank, so one process shows what each rank does.
+Reaching the process groups means the input was not refused, and fails the case. The data and
+conversion tools run their main(argv) too; the launchers run in bash and stop before Python.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+
+import pytest
+
+import parm_trainer.compat.cpu
+import parm_trainer.parallel
+import parm_trainer.training.initialize as initialize
+from conftest import ROOT
+from parm_trainer import lazy_imports
+
+
+class ReachedCommunication(AssertionError):
+    """The input got past every check: nothing refused it."""
+
+
+def _load(path, name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def entry(monkeypatch):
+    """main(argv) of an entry point, as one rank of a job of WORLD_SIZE ranks would run it."""
+    def reached(*args, **kwargs):
+        raise ReachedCommunication("the input was not refused before the process groups")
+
+    def exit_now(status):  # user_errors ends the rank with os._exit(1)
+        raise SystemExit(status)
+
+    monkeypatch.setattr(parm_trainer.compat.cpu, "apply", lambda: None)
+    monkeypatch.setattr(parm_trainer.parallel, "initialize_distributed", reached)
+    monkeypatch.setattr(initialize, "initialize_distributed", reached)
+    monkeypatch.setattr(initialize, "_stop_child_processes", lambda: None)
+    monkeypatch.setattr(os, "_exit", exit_now)
+    # importing an entry script would hide wandb from the rest of this pytest process
+    monkeypatch.setattr(lazy_imports, "skip_wandb_unless_asked", lambda argv: None)
+    for name in ("RANK", "PARM_FAULT"):
+        monkeypatch.delenv(name, raising=False)
+
+    def load(path, world_size=1):
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+        if path == "tools/generate.py":
+            from parm_trainer.generation import main
+            return main
+        return _load(path, path.replace("/", "_").removesuffix(".py")).main
+    return load
+
+
+def assert_refused(main, argv, capsys, status, *needles):
+    """main(argv) ends with `status` and one line saying `error`, naming every needle."""
+    with pytest.raises(SystemExit) as ended:
+        result = main([str(a) for a in argv])
+        raise SystemExit(result)  # convert.py returns its status
+    code, stderr = ended.value.code, capsys.readouterr().err
+    if isinstance(code, str):  # sys.exit("error: ..."): Python prints it, the status is 1
+        code, stderr = 1, stderr + code + "\n"
+    assert code == status, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.startswith("error")
+             or ": error: " in line]  # argparse: "PROG: error: ..."
+    assert len(lines) == 1, stderr[-3000:]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert "Traceback" not in stderr, stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def junk(tmp_path_factory):
+    """Files that are not what their flag wants."""
+    root = tmp_path_factory.mktemp("junk")
+    (root / "garbage.model").write_text("not a sentencepiece model\n")
+    (root / "not_json.json").write_text("{not json")
+    (root / "blank.jsonl").write_text("\n  \n\n")
+    (root / "binary.jsonl").write_bytes(b'{"text": "\xc8\xff\xfe"}\n')
+    (root / "one.jsonl").write_text(json.dumps({"text": "One short document."}) + "\n")
+    tracker = root / "bad_tracker"
+    tracker.mkdir()
+    (tracker / "latest_checkpointed_iteration.txt").write_text("not-a-number")
+    for name, model in (("bert_ckpt", "bert"), ("no_tokenizer_ckpt", "gpt")):
+        (root / name / "iter_0000002").mkdir(parents=True)
+        (root / name / "latest_checkpointed_iteration.txt").write_text("2")
+        (root / name / "iter_0000002" / "run.json").write_text(
+            json.dumps({"model": model, "args": {}}))
+    return root
+
+
+def pretrain_argv(data, *flags):
+    return ["--data-path", data["prefix"], "--tokenizer-model", data["tokenizer"],
+            "--disable-bias-linear", "--num-experts", "4", "--num-layers", "2",
+            "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--moe-parm-schedule", "s1", "--moe-parm-chunks", "1", *flags]
+
+
+# (id, world size, flags, exit status, key words of the one error line)
+PRETRAIN_CASES = [
+    ("global_batch_vs_micro_x_dp", 2, ["--micro-batch-size", "4", "--global-batch-size", "6"], 1,
+     ["--global-batch-size 6 is not divisible by --micro-batch-size 4 x data-parallel size 2"]),
+    ("heads_vs_tp", 2, ["--tensor-model-parallel-size", "2", "--num-attention-heads", "3",
+                        "--hidden-size", "66"], 1,
+     ["--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2"]),
+    ("topk_over_experts", 1, ["--moe-router-topk", "5"], 1,
+     ["--moe-router-topk 5 must be between 1 and --num-experts 4"]),
+    ("pp_vs_layers", 2, ["--pipeline-model-parallel-size", "2", "--num-layers", "3"], 1,
+     ["--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"]),
+    ("unknown_schedule", 1, ["--moe-parm-schedule", "s3"], 2,
+     ["argument --moe-parm-schedule: invalid choice: 's3'"]),
+    ("unknown_flag", 1, ["--num-expert", "4"], 2, ["unrecognized arguments: --num-expert 4"]),
+    ("zero_heads", 1, ["--num-attention-heads", "0"], 1,
+     ["--num-attention-heads must be at least 1, got 0"]),
+    ("seq_over_position_table", 1, ["--seq-length", "128", "--max-position-embeddings", "64"],
+     1, ["--seq-length 128 is longer than --max-position-embeddings 64"]),
+    ("capacity_factor_negative", 1, ["--moe-expert-capacity-factor", "-1"], 1,
+     ["--moe-expert-capacity-factor must be positive, got -1.0"]),
+    ("min_lr_over_lr", 1, ["--lr", "1e-4", "--min-lr", "1e-3"], 1,
+     ["--min-lr 0.001 must be between 0 and --lr 0.0001"]),
+    ("negative_split", 1, ["--split", "100,-1,1"], 1,
+     ["--split '100,-1,1' must be up to three non-negative", "e.g. 969,30,1"]),
+    ("negative_num_workers", 1, ["--num-workers", "-1"], 1,
+     ["--num-workers must not be negative, got -1"]),
+    ("missing_tokenizer_model", 1, ["--tokenizer-model", "{junk}/nothing.model"], 1,
+     ["--tokenizer-model {junk}/nothing.model: no such file"]),
+    ("garbage_tokenizer_model", 1, ["--tokenizer-model", "{junk}/garbage.model"], 1,
+     ["--tokenizer-model {junk}/garbage.model is not a SentencePiece model",
+      "tools/train_tokenizer.py"]),
+    ("unsupported_tokenizer_type", 1, ["--tokenizer-type", "GPT2BPETokenizer"], 1,
+     ["unsupported --tokenizer-type 'GPT2BPETokenizer'"]),
+    ("load_is_a_file", 1, ["--load", "{junk}/garbage.model"], 1,
+     ["--load {junk}/garbage.model is not a directory"]),
+    ("save_is_a_file", 1, ["--save", "{junk}/garbage.model"], 1,
+     ["--save {junk}/garbage.model is not a directory"]),
+    ("load_tracker_not_a_number", 1, ["--load", "{junk}/bad_tracker"], 1,
+     ["--load {junk}/bad_tracker:", "should hold an iteration number, found 'not-a-number'"]),
+    ("cost_profile_not_json", 1, ["--moe-parm-schedule", "auto", "--moe-parm-cost-profile",
+                                  "{junk}/not_json.json"], 1,
+     ["cost profile {junk}/not_json.json: not valid JSON"]),
+    ("cost_profile_missing", 1, ["--moe-parm-schedule", "auto", "--moe-parm-cost-profile",
+                                 "{junk}/nothing.json"], 1,
+     ["--moe-parm-cost-profile {junk}/nothing.json: no such file"]),
+]
+
+
+@pytest.mark.parametrize("world,flags,status,needles", [c[1:] for c in PRETRAIN_CASES],
+                         ids=[c[0] for c in PRETRAIN_CASES])
+def test_pretrain_gpt_refuses(world, flags, status, needles, entry, gpt_data, junk, capsys):
+    main = entry("pretrain_gpt_moe.py", world)
+    argv = [flag.format(junk=junk) for flag in pretrain_argv(gpt_data, *flags)]
+    assert_refused(main, argv, capsys, status, *(n.format(junk=junk) for n in needles))
+
+
+def test_pretrain_bert_refuses_a_mask_probability_over_one(entry, gpt_data, capsys):
+    main = entry("pretrain_bert_moe.py")
+    assert_refused(main, pretrain_argv(gpt_data, "--mask-prob", "1.5"), capsys, 1,
+                   "--mask-prob 1.5 must be between 0 and 1")
+
+
+@pytest.mark.parametrize("case", ["missing_dir", "bert_checkpoint", "no_tokenizer", "no_prompt",
+                                  "layout_over_world"])
+def test_generate_refuses(case, entry, junk, capsys):
+    main = entry("tools/generate.py")
+    argv, status, needles = {
+        "missing_dir": (["--load-dir", junk / "nowhere", "--prompt", "x"], 1,
+                        [f"--load-dir {junk}/nowhere is not a parm_trainer checkpoint directory"]),
+        "bert_checkpoint": (["--load-dir", junk / "bert_ckpt", "--prompt", "x"], 1,
+                            ["holds an MoE BERT model", "GPT-MoE checkpoints"]),
+        "no_tokenizer": (["--load-dir", junk / "no_tokenizer_ckpt", "--prompt", "x"], 1,
+                         ["no tokenizer.model in", "give --tokenizer-model"]),
+        "no_prompt": (["--load-dir", junk / "bert_ckpt"], 2,
+                      ["the following arguments are required: --prompt"]),
+        "layout_over_world": (["--load-dir", junk / "no_tokenizer_ckpt", "--prompt", "x",
+                               "--tokenizer-model", junk / "garbage.model",
+                               "--tensor-model-parallel-size", "2"], 1,
+                              ["--tensor-model-parallel-size 2", "world size 1"]),
+    }[case]
+    assert_refused(main, argv, capsys, status, *needles)
+
+
+MIXTRAL_CONFIG = {"model_type": "mixtral", "vocab_size": 2048, "hidden_size": 64,
+                  "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+                  "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+
+
+def test_convert_refuses(entry, junk, capsys):
+    main = entry("tools/checkpoint/convert.py")
+    out = junk / "convert_out"
+    mixtral = junk / "mixtral"
+    mixtral.mkdir(exist_ok=True)
+    (mixtral / "config.json").write_text(json.dumps(MIXTRAL_CONFIG))
+    for argv, status, needles in [
+        (["--loader", "parm", "--saver", "hf", "--load-dir", junk / "bad_tracker"], 2,
+         ["the following arguments are required: --save-dir"]),
+        (["--loader", "parm", "--saver", "hf", "--load-dir", junk / "bad_tracker",
+          "--save-dir", out], 1, ["should hold an iteration number, found 'not-a-number'"]),
+        (["--loader", "hf", "--saver", "hf", "--load-dir", junk, "--save-dir", out], 1,
+         ["--loader hf --saver hf: nothing to convert"]),
+        (["--loader", "hf", "--saver", "parm", "--load-dir", mixtral, "--save-dir", out], 1,
+         [f"{mixtral} has no tokenizer.model (SentencePiece): give --tokenizer-model"]),
+        (["--loader", "hf", "--saver", "parm", "--load-dir", mixtral, "--save-dir", out,
+          "--tokenizer-model", junk / "garbage.model"], 1,
+         [f"--tokenizer-model {junk}/garbage.model is not a SentencePiece model"]),
+    ]:
+        assert_refused(main, argv, capsys, status, *needles)
+        assert not out.exists()
+
+
+def _preprocess_argv(junk, source, *flags, tokenizer=None):
+    return ["--input", junk / source, "--output-prefix", junk / "pre" / "out",
+            "--tokenizer-model", tokenizer or junk / "garbage.model", *flags]
+
+
+def test_preprocess_data_refuses(entry, junk, gpt_data, capsys):
+    main = entry("tools/preprocess_data.py")
+    model = gpt_data["tokenizer"]
+    for argv, status, needles in [
+        (_preprocess_argv(junk, "one.jsonl", tokenizer=junk / "nothing.model"), 1,
+         [f"--tokenizer-model {junk}/nothing.model not found"]),
+        (_preprocess_argv(junk, "one.jsonl"), 1,
+         [f"--tokenizer-model {junk}/garbage.model is not a SentencePiece model"]),
+        (_preprocess_argv(junk, "blank.jsonl", tokenizer=model), 1,
+         [f"--input {junk}/blank.jsonl holds no documents"]),
+        (_preprocess_argv(junk, "binary.jsonl", tokenizer=model), 1,
+         [f"--input {junk}/binary.jsonl is not UTF-8 text"]),
+        (_preprocess_argv(junk, "one.jsonl", "--workers", "0", tokenizer=model), 2,
+         ["--workers, --chunksize and --log-interval must be >= 1"]),
+        (["--input", junk / "one.jsonl", "--output-prefix", junk / "garbage.model" / "out",
+          "--tokenizer-model", model], 1,
+         [f"--output-prefix {junk}/garbage.model/out: cannot create"]),
+    ]:
+        assert_refused(main, argv, capsys, status, *needles)
+        assert not list((junk / "pre").glob("out*"))  # nothing half-written left
+
+
+def test_train_tokenizer_refuses(entry, junk, capsys):
+    main = entry("tools/train_tokenizer.py")
+    for source, flags, needles in [
+        ("nothing.jsonl", [], [f"--input {junk}/nothing.jsonl not found"]),
+        ("blank.jsonl", [], [f"--input {junk}/blank.jsonl has no text to train on"]),
+        ("binary.jsonl", [], [f"--input {junk}/binary.jsonl is not UTF-8 text"]),
+        ("one.jsonl", ["--vocab-size", "5"], ["sentencepiece cannot train --vocab-size 5",
+                                              "Vocabulary size is smaller than required_chars"]),
+    ]:
+        argv = ["--input", junk / source, "--output-prefix", junk / "tok" / "t", *flags]
+        assert_refused(main, argv, capsys, 1, *needles)
+        assert not list((junk / "tok").glob("t.*"))
+
+
+@pytest.mark.parametrize("script,env,args,needle", [
+    ("launch.sh", {}, [], "error: no script to run; usage: bash scripts/launch.sh SCRIPT"),
+    ("launch.sh", {}, ["pretrain_gtp_moe.py"],
+     "error: scripts/launch.sh: no such script pretrain_gtp_moe.py"),
+    ("launch.sh", {"NNODES": "two"}, ["pretrain_gpt_moe.py"],
+     "error: NNODES=two must be a whole number"),
+    ("train_gpt_moe.sh", {"TP": "abc"}, [], "error: TP=abc must be a positive whole number"),
+    ("train_gpt_moe.sh", {"PRETRAIN": "nothing.py"}, [],
+     "error: scripts/launch.sh: no such script nothing.py"),
+    ("train_bert_moe.sh", {"EP": "0"}, [], "error: EP=0 must be a positive whole number"),
+], ids=["launch_no_script", "launch_missing_script", "launch_nnodes", "train_gpt_tp",
+        "train_gpt_pretrain", "train_bert_ep"])
+def test_launchers_refuse(script, env, args, needle):
+    # PYTHON=echo: a launcher that failed to refuse would print torchrun's command and exit 0
+    result = subprocess.run(["bash", f"scripts/{script}", *args], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "PYTHON": "echo", **env})
+    assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(needle), line

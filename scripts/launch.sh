@@ -37,6 +37,15 @@ if [ -z "${PYTHON:-}" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python; fi
 fi
 
+# Several nodes and no interface named: gloo binds to the interface holding the address this
+# node reaches the master from (NCCL picks its own). Names such as a slurm node's resolve first.
+if [ "${NNODES:-1}" != 1 ] && [ -z "${GLOO_SOCKET_IFNAME:-}" ] && command -v ip >/dev/null; then
+    master_ip=$(getent ahostsv4 "${MASTER_ADDR:-127.0.0.1}" | awk 'NR == 1 {print $1}') || true
+    src=$(ip -o route get "${master_ip:-127.0.0.1}" 2>/dev/null | grep -o 'src [0-9.]*' | cut -d' ' -f2) || true
+    dev=$(ip -o -4 addr show 2>/dev/null | awk -v a="$src" 'index($4, a "/") == 1 {print $2; exit}') || true
+    if [ -n "$dev" ]; then export GLOO_SOCKET_IFNAME=$dev; fi
+fi
+
 exec "$PYTHON" -m torch.distributed.run \
     --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \
     --nproc-per-node "${NPROC_PER_NODE:-4}" --max-restarts "${MAX_RESTARTS:-0}" \

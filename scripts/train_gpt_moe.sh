@@ -55,7 +55,7 @@ TRAINING_ARGS=(
     --weight-decay 0.1 --seed "${SEED:-1234}"
 )
 DATA_ARGS=(
-    --data-path $DATA_PATH --split 969,30,1
+    --data-path $DATA_PATH --split "${SPLIT:-969,30,1}"
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER_MODEL"
     --data-cache-path "$RUN_DIR/data_cache"
 )

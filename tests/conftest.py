@@ -49,6 +49,16 @@ def gpt_data(tmp_path_factory):
             "tokenizer": str(out / "tokenizer.model")}
 
 
+@pytest.fixture(scope="session")
+def bert_data(gpt_data):
+    """The GPT tests' corpus and tokenizer, one sequence per sentence."""
+    out = gpt_data["dir"]
+    run_tool("tools/preprocess_data.py", "--input", out / "corpus.jsonl", "--json-keys", "text",
+             "--output-prefix", out / "bert", "--tokenizer-type", "SentencePieceTokenizer",
+             "--tokenizer-model", gpt_data["tokenizer"], "--split-sentences", "--workers", 1)
+    return {**gpt_data, "prefix": str(out / "bert_text_sentence")}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -44,16 +44,6 @@ SOP = ("sop loss", "sop accuracy")
 
 
 @pytest.fixture(scope="module")
-def bert_data(gpt_data):
-    """The GPT tests' corpus and tokenizer, one sequence per sentence."""
-    out = gpt_data["dir"]
-    run_tool("tools/preprocess_data.py", "--input", out / "corpus.jsonl", "--json-keys", "text",
-             "--output-prefix", out / "bert", "--tokenizer-type", "SentencePieceTokenizer",
-             "--tokenizer-model", gpt_data["tokenizer"], "--split-sentences", "--workers", 1)
-    return {**gpt_data, "prefix": str(out / "bert_text_sentence")}
-
-
-@pytest.fixture(scope="module")
 def reference(bert_data, tmp_path_factory):
     run = launch(1, tiny_gpt_args(bert_data), tmp_path_factory.mktemp("ref"), script=BERT)
     assert run.returncode == 0, run.output[-4000:]

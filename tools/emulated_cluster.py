@@ -42,156 +42,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
 
+from parm_trainer.cluster.netns import (DELAY, RATE, Cluster, ClusterError,  # noqa: F401
+                                       check_host, parse_with_command, rate_bytes_per_s,
+                                       run_guarded)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SUBNET = "198.18.0"
-# per node (see the module docstring); reno is built into every kernel and always allowed
-TCP_SETTINGS = ("net.ipv4.tcp_congestion_control=reno", "net.ipv4.tcp_slow_start_after_idle=0")
-RATE = re.compile(r"^(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)$", re.I)
-DELAY = re.compile(r"^\d+(\.\d+)?(us|ms|s)$", re.I)
-
-
-def rate_bytes_per_s(rate: str) -> float:
-    """A tc rate ("200mbit", "1gbit", "25mbps") in bytes per second (tc's units: bit rates
-    and byte rates, decimal prefixes)."""
-    number, prefix, unit = RATE.match(rate).groups()
-    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[prefix.lower()]
-    return float(number) * scale / (8 if unit.lower() == "bit" else 1)
-
-
-class ClusterError(RuntimeError):
-    """The emulated cluster cannot be set up here; the message says why."""
-
-
-def _run(*command, check=True, namespace=None) -> subprocess.CompletedProcess:
-    if namespace:
-        command = ("ip", "netns", "exec", namespace, *command)
-    result = subprocess.run(command, capture_output=True, text=True)
-    if check and result.returncode != 0:
-        raise ClusterError(f"`{' '.join(command)}` failed: {result.stderr.strip()}")
-    return result
-
-
-def check_host(latency: str | None) -> None:
-    """Refuse clearly where namespaces or shaping cannot work."""
-    if os.geteuid() != 0:
-        raise ClusterError("network namespaces need root: run as root (e.g. with sudo)")
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            raise ClusterError(f"`{tool}` (iproute2) is not installed")
-    if _run("ip", "netns", "list", check=False).returncode != 0:
-        raise ClusterError("`ip netns` does not work on this machine")
-    if latency and not _has_netem():
-        raise ClusterError(f"--inter-node-latency {latency} needs the kernel's netem qdisc, "
-                           "which this kernel lacks; leave the latency out")
-
-
-def _has_netem() -> bool:
-    probe = f"ptnetem{os.getpid() % 100000}"
-    try:
-        _run("ip", "netns", "add", probe)
-        return _run("tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms",
-                    check=False, namespace=probe).returncode == 0
-    finally:
-        _run("ip", "netns", "del", probe, check=False)
-
-
-class Cluster:
-    """N namespaces on one bridge; use as a context manager (teardown on exit, always)."""
-
-    def __init__(self, nodes: int, rate: str, latency: str | None = None, tag: str | None = None):
-        self.nodes, self.rate, self.latency = nodes, rate, latency
-        # tbf's bucket: 10 ms of traffic (at least 64 KiB). A bucket smaller than what the rate
-        # sends between two timer ticks caps the throughput below the rate (with 64 KiB a
-        # 200mbit link carried 17.7 MB/s of AlltoAll; with 250 KB, 23.9 of the 25).
-        self.burst = str(max(65536, int(rate_bytes_per_s(rate) / 100)))
-        self.tag = tag or f"pt{os.getpid() % 100000}"  # names fit Linux's 15 characters
-        self.bridge = f"{self.tag}br"
-        self.namespaces = [f"{self.tag}n{i}" for i in range(nodes)]
-        self.created = []  # ("netns" | "link" | "dir", name), in creation order
-
-    def address(self, node: int) -> str:
-        return f"{SUBNET}.{node + 1}"
-
-    def device(self, node: int) -> str:
-        return f"{self.tag}v{node}"
-
-    def host_end(self, node: int) -> str:
-        """The bridge's end of node's veth link."""
-        return f"{self.tag}h{node}"
-
-    def cut_link(self, node: int) -> None:
-        """Take node's link to the bridge down: its packets to and from the others are lost."""
-        _run("ip", "link", "set", self.host_end(node), "down")
-
-    def __enter__(self) -> "Cluster":
-        try:
-            self._create()
-        except BaseException:
-            self.teardown()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.teardown()
-
-    def _create(self) -> None:
-        _run("ip", "link", "add", self.bridge, "type", "bridge")
-        self.created.append(("link", self.bridge))
-        _run("ip", "link", "set", self.bridge, "up")
-        hosts = "127.0.0.1 localhost\n" + "".join(
-            f"{self.address(i)} {ns}\n" for i, ns in enumerate(self.namespaces))
-        for i, ns in enumerate(self.namespaces):
-            # `ip netns exec` shows /etc/netns/NS/hosts as /etc/hosts: the nodes resolve each
-            # other's addresses (torch's store looks the peers' names up)
-            etc = os.path.join("/etc/netns", ns)
-            os.makedirs(etc, exist_ok=True)
-            self.created.append(("dir", etc))
-            with open(os.path.join(etc, "hosts"), "w") as f:
-                f.write(hosts)
-            _run("ip", "netns", "add", ns)
-            self.created.append(("netns", ns))
-            host_end, node_end = self.host_end(i), self.device(i)
-            _run("ip", "link", "add", host_end, "type", "veth", "peer", "name", node_end)
-            self.created.append(("link", host_end))
-            _run("ip", "link", "set", node_end, "netns", ns)
-            _run("ip", "link", "set", host_end, "master", self.bridge)
-            _run("ip", "link", "set", host_end, "up")
-            _run("ip", "link", "set", "lo", "up", namespace=ns)
-            _run("ip", "addr", "add", f"{self.address(i)}/24", "dev", node_end, namespace=ns)
-            _run("ip", "link", "set", node_end, "up", namespace=ns)
-            _run("sysctl", "-qw", *TCP_SETTINGS, namespace=ns)
-            # egress of the node onto the "network": tbf, and netem under it for a latency
-            shape = ["tc", "qdisc", "add", "dev", node_end, "root", "handle", "1:", "tbf",
-                     "rate", self.rate, "burst", self.burst, "latency", "400ms"]
-            _run(*shape, namespace=ns)
-            if self.latency:
-                _run("tc", "qdisc", "add", "dev", node_end, "parent", "1:1", "handle", "10:",
-                     "netem", "delay", self.latency, namespace=ns)
-
-    def teardown(self) -> None:
-        """Stop whatever still runs in the namespaces, then remove all this object made."""
-        for kind, name in reversed(self.created):
-            if kind == "netns":
-                pids = _run("ip", "netns", "pids", name, check=False).stdout.split()
-                for pid in pids:
-                    try:
-                        os.kill(int(pid), signal.SIGKILL)
-                    except (ProcessLookupError, ValueError):
-                        pass
-                _run("ip", "netns", "del", name, check=False)
-            elif kind == "dir":
-                shutil.rmtree(name, ignore_errors=True)
-            else:
-                _run("ip", "link", "del", name, check=False)
-        self.created.clear()
 
 
 def add_node_flags(parser) -> None:
@@ -344,11 +205,7 @@ def parse(argv):
     p.add_argument("--fail-node", type=int, default=None,
                    help="the node whose link fails (default: the last)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...] after --")
-    args = p.parse_args(argv)
-    if args.command[:1] == ["--"]:
-        args.command = args.command[1:]
-    if not args.command:
-        p.error("give the command after --, e.g. -- pretrain_gpt_moe.py --tensor-model-parallel-size 2 ...")
+    args = parse_with_command(p, argv, "pretrain_gpt_moe.py --tensor-model-parallel-size 2 ...")
     if args.nodes < 1 or args.procs_per_node < 1:
         p.error("--nodes and --procs-per-node must be at least 1")
     if args.nodes > 250:
@@ -365,21 +222,9 @@ def parse(argv):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    try:
+
+    def body():
         check_host(args.inter_node_latency)
-    except ClusterError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-
-    def interrupted(signum, frame):
-        # once: a second signal must not cut the teardown short
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupted)
-    signal.signal(signal.SIGINT, interrupted)
-    try:
         with Cluster(args.nodes, args.inter_node_bandwidth, args.inter_node_latency) as cluster:
             print(f"emulated_cluster: {args.nodes} nodes x {args.procs_per_node} ranks, "
                   f"{args.inter_node_bandwidth} between nodes"
@@ -392,12 +237,8 @@ def main(argv=None) -> int:
                 fault = LinkFault(cluster, node, args.fail_link_after, args.fail_link_at)
             return run_on_cluster(cluster, args.procs_per_node, args.command, args.log_dir,
                                   args.master_port, args.grace, fault)
-    except ClusterError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("emulated_cluster: interrupted; removed the emulated cluster", file=sys.stderr)
-        return 130
+
+    return run_guarded(body, "emulated_cluster: interrupted; removed the emulated cluster")
 
 
 if __name__ == "__main__":

@@ -46,9 +46,12 @@ def ensure_installed() -> None:
     if shutil.which("apt-get") is None:
         raise SlurmError(f"slurm is not installed ({', '.join(missing)} missing) and there is "
                          "no apt-get to install it")
-    result = subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends",
-                             *PACKAGES], capture_output=True, text=True,
-                            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
+    result = subprocess.run(install, capture_output=True, text=True, env=env)
+    if result.returncode != 0:  # no package lists yet on a fresh machine
+        subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env)
+        result = subprocess.run(install, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         raise SlurmError("apt-get could not install slurm: "
                          + (result.stderr.strip().splitlines() or ["(no output)"])[-1])

@@ -59,6 +59,16 @@ def bert_data(gpt_data):
     return {**gpt_data, "prefix": str(out / "bert_text_sentence")}
 
 
+def load_module(path, name):
+    """A script of the repository (a tool, an entry point) as a module, to call its main."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

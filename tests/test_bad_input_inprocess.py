@@ -7,7 +7,6 @@ Reaching the process groups means the input was not refused, and fails the case.
 conversion tools run their main(argv) too; the launchers run in bash and stop before Python.
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,19 +16,12 @@ import pytest
 import parm_trainer.compat.cpu
 import parm_trainer.parallel
 import parm_trainer.training.initialize as initialize
-from conftest import ROOT
+from conftest import ROOT, load_module as _load
 from parm_trainer import lazy_imports
 
 
 class ReachedCommunication(AssertionError):
     """The input got past every check: nothing refused it."""
-
-
-def _load(path, name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ def layer_shape(args) -> LayerShape:
         mp=args.tensor_model_parallel_size, ep=args.expert_model_parallel_size,
         esp=args.expert_tensor_parallel_size, sequence_parallel=args.sequence_parallel,
         chunks=args.moe_parm_chunks,
-        exact=args.moe_parm_exchange == "exact",
+        exact=args.moe_parm_exchange == "exact", gated=bool(getattr(args, "swiglu", False)),
         dp=args.world_size // (args.tensor_model_parallel_size
                                * args.pipeline_model_parallel_size))
 

@@ -37,7 +37,8 @@ ReduceScatter and back), the expert's work doubled and no MP traffic (each MP ra
 block of the replicated grad). r = 1 is the sum of it all, each collective after the other.
 
 Compute: flops priced alpha + flops*beta; the backward costs twice the forward.
-    expert: 2 * rows * M * (H/ESP) * 2 (fc1 and fc2), rows = E*c slots, E*c*ESP in the
+    expert: 2 * rows * M * (H/ESP) * 2 (fc1 and fc2; * 3 with SwiGLU's gated fc1, 2H wide),
+            rows = E*c slots, E*c*ESP in the
             exchange after its ESP gather (padding included: the executor runs the expert on
             every slot);   gate: 2 * n * M * E.
 Memory-bound work, when the profile has a "memory" entry (alpha s, beta s/byte of bytes read
@@ -103,6 +104,11 @@ class LayerShape:
     # s1's and s2's exchange: exact (exchange.py; each token once per EP rank it needs, exact
     # counts) or padded (the (E, C, M) layout). The baseline is always padded.
     exact: bool = False
+    gated: bool = False  # SwiGLU: fc1 is 2H wide, three H x M matrices per expert
+
+    @property
+    def matrices(self) -> int:
+        return 3 if self.gated else 2
 
     def ep_hit(self) -> float:
         """The chance that a token's k distinct experts, drawn uniformly, include one of a
@@ -410,7 +416,7 @@ def step_load(step: Step, shape: LayerShape, held: Held) -> tuple:
     if op == "expert":
         need(s.ffn % s.esp == 0, f"ffn {s.ffn} does not split over ESP {s.esp}")
         rows, h = s.experts * c, s.ffn // s.esp
-        return StepLoad(flops=2 * rows * s.hidden * h * 2, moved=2 * rows * h * b), held
+        return StepLoad(flops=2 * rows * s.hidden * h * s.matrices, moved=2 * rows * h * b), held
     if op == "pipeline":  # a2a, ESP gather, expert, ESP scatter, a2a back [, MP gather]
         need(s.experts % s.ep == 0, f"{s.experts} experts do not split over EP {s.ep}")
         need(s.ffn % s.esp == 0, f"ffn {s.ffn} does not split over ESP {s.esp}")
@@ -461,7 +467,7 @@ def _exact_step_load(step: Step, s: LayerShape, held: Held, coll, need) -> tuple
     pairs, h = s.esp * n * s.topk, s.ffn // s.esp  # expert rows after the ESP gather
     load = StepLoad(forward=(out, ag, rs, back, gather),
                     backward=(back, ag_dual, rs_dual, out, ()), pipeline=True, chunks=pieces,
-                    flops=2 * pairs * s.hidden * h * 2, moved=2 * pairs * h * b)
+                    flops=2 * pairs * s.hidden * h * s.matrices, moved=2 * pairs * h * b)
     return load, replace(held, tokens=n * s.mp if gather else n)
 
 

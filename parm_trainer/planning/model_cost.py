@@ -1,0 +1,219 @@
+"""Whole-model cost model: the time and memory of every piece of a GPT-MoE on one rank.
+
+One pricing with the MoE layer's (moe/cost_model.py): the same Profile (collectives per kind
+and link class, GEMM alpha-beta, memory traffic when calibrated), the same byte formulas for
+what one rank sends, and for an MoE MLP the plan cost of the schedule and depth auto picks.
+A model is a sequence of pieces, each priced forward and backward per micro-batch:
+
+    E  embedding: lookup (memory n*M), vocabulary-parallel reduction over MP (an AllReduce of
+       n*M, a ReduceScatter under sequence parallelism)
+    t  decoder layer = attention block + MLP (dense, or MoE where --moe-layer-freq puts one):
+       attention GEMMs 2n*M*(M + 2*M*g/h)/T (QKV, g key-value groups of h heads) + 2n*M*M/T
+       (projection) + 4*b*s^2*M/T (scores and values), softmax traffic b*(h/T)*s^2;
+       dense MLP 2n*M*F*(3 with SwiGLU, else 2)/T; each block's MP collectives (AllGather in
+       and ReduceScatter out under SP, else one AllReduce out); norms' traffic
+    L  final norm, output GEMM 2n*M*V/T and the vocabulary-parallel cross entropy (traffic
+       about 4 passes over n*V/T logits, three AllReduces of n values over MP)
+
+n = micro-batch x sequence tokens, T = MP size; backward: twice the GEMMs and the traffic, the
+collectives' duals. Memory per rank: parameters (dense / T, experts / (EP x ESP)), their fp32
+gradients and Adam state (12 bytes per parameter, over DP with the distributed optimizer; plus
+a 4-byte fp32 copy under bf16), and activations per micro-batch and layer from Korthikanti et
+al.'s count, s*b*M*(34 + 5*h*s/M) bytes at 2-byte activations (over T with SP), the MoE MLP's
+share scaled by top-k (its rows are k times the tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from parm_trainer.moe.cost_model import (LayerShape, Profile, remote_share, sent_bytes,
+                                         shape_plan, plan_cost)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One piece of the model on one rank, per micro-batch."""
+    kind: str           # "E", "t" (dense layer), "m" (MoE layer), "L"
+    forward_s: float
+    backward_s: float
+    params: float       # parameters this rank holds for the piece
+    expert_params: float  # of which in experts (reduced over the expert-DP group)
+    activation_bytes: float  # saved for the backward, per micro-batch
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+def moe_layers(args) -> list:
+    """Which decoder layers are MoE: --moe-layer-freq as parsed, an int (every N-th, from
+    layer 0) or a list (1 = MoE)."""
+    freq = getattr(args, "moe_layer_freq", 1)
+    if not args.num_experts:
+        return [False] * args.num_layers
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(args.num_layers)]
+    return [bool(x) for x in freq]
+
+
+class ModelCost:
+    """Prices the pieces of args' model under args' layout with a Profile."""
+
+    def __init__(self, args, profile: Profile, moe_schedule: tuple = None):
+        self.args, self.profile = args, profile
+        a = args
+        self.tp, self.pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
+        self.dp = a.world_size // (self.tp * self.pp)
+        self.e = 2 if a.bf16 else 4
+        self.n = a.seq_length * a.micro_batch_size
+        self.sp = a.sequence_parallel and self.tp > 1
+        self.vocab = getattr(a, "padded_vocab_size", None) or getattr(a, "vocab_size", 32000)
+        self.moe_schedule = moe_schedule  # (name, chunks); None: the cheaper of s1/s2, r 1..8
+        self.moe_choice = None  # what moe_mlp picked: (name, "rN")
+
+    # --- primitives ----------------------------------------------------------------------------
+    def coll(self, kind: str, nbytes: float, size: int, stride: int = 1) -> float:
+        if size < 2:
+            return 0.0
+        share = remote_share(size, stride, self.profile.gpus_per_node)
+        alpha, beta = self.profile.collectives[kind]["inter" if share > 0 else "intra"]
+        if kind == "alltoall" and share > 0:
+            beta *= share
+        return alpha + sent_bytes(kind, int(nbytes), size) * beta
+
+    def gemm(self, flops: float) -> float:
+        alpha, beta = self.profile.compute
+        return alpha + flops * beta
+
+    def traffic(self, nbytes: float) -> float:
+        if self.profile.memory is None:
+            return 0.0
+        alpha, beta = self.profile.memory
+        return alpha + nbytes * beta
+
+    def _mp_block(self, gemm_s: float, traffic_s: float) -> tuple:
+        """(forward, backward) of a block with its MP collectives around it."""
+        full = self.n * self.args.hidden_size * self.e
+        if self.sp:
+            comm = self.coll("allgather", full / self.tp, self.tp) + \
+                self.coll("reducescatter", full, self.tp)
+        else:
+            comm = self.coll("allreduce", full, self.tp)
+        return gemm_s + traffic_s + comm, 2 * (gemm_s + traffic_s) + comm
+
+    # --- pieces ----------------------------------------------------------------------------------
+    def embedding(self) -> Piece:
+        a, n, M = self.args, self.n, self.args.hidden_size
+        reduce = self.coll("reducescatter" if self.sp else "allreduce", n * M * self.e, self.tp)
+        look = self.traffic(2 * n * M * self.e)
+        return Piece("E", look + reduce, 2 * look + reduce, self.vocab * M / self.tp, 0.0,
+                     n * 8)  # the token ids
+
+    def attention(self) -> tuple:
+        a, n, M, T = self.args, self.n, self.args.hidden_size, self.tp
+        heads = a.num_attention_heads
+        groups = a.num_query_groups if getattr(a, "group_query_attention", False) else heads
+        qkv = 2 * n * M * (M + 2 * M * groups / heads) / T
+        core = 4 * a.micro_batch_size * a.seq_length ** 2 * M / T
+        flops = qkv + core + 2 * n * M * M / T
+        softmax = 3 * a.micro_batch_size * heads / T * a.seq_length ** 2 * self.e
+        norm = 2 * n * M * self.e / (T if self.sp else 1)
+        f, b = self._mp_block(self.gemm(flops), self.traffic(softmax + norm))
+        params = (M * (M + 2 * M * groups / heads) + M * M) / T + M
+        return f, b, params
+
+    def mlp(self) -> tuple:
+        a, n, M = self.args, self.n, self.args.hidden_size
+        mats = 3 if getattr(a, "swiglu", False) else 2
+        flops = 2 * n * M * a.ffn_hidden_size * mats / self.tp
+        norm = 2 * n * M * self.e / (self.tp if self.sp else 1)
+        f, b = self._mp_block(self.gemm(flops), self.traffic(norm))
+        return f, b, M * a.ffn_hidden_size * mats / self.tp + M
+
+    def moe_mlp(self) -> tuple:
+        """(forward, backward, expert params, router params) of the MoE MLP: the plan cost of
+        the schedule auto would pick (the cheaper of s1 and s2 over depths 1-8) on this shape."""
+        from parm_trainer.moe.auto import CHUNK_CHOICES, layer_shape
+
+        a = self.args
+        shape = replace(layer_shape(a), bytes_per_element=self.e)
+        options = ([self.moe_schedule] if self.moe_schedule else
+                   [(s, r) for s in ("s1", "s2") for r in CHUNK_CHOICES])
+        best = None
+        for name, chunks in options:
+            try:
+                cost = plan_cost(shape_plan(name, replace(shape, chunks=chunks)),
+                                 replace(shape, chunks=chunks), self.profile)
+            except ValueError:
+                continue
+            if best is None or cost["total_s"] < best["total_s"]:
+                best, self.moe_choice = cost, (name, f"r{chunks}")
+        if best is None:
+            raise ValueError("no Parm schedule can run this MoE layer")
+        mats = 3 if getattr(a, "swiglu", False) else 2
+        local = a.num_experts // a.expert_model_parallel_size
+        experts = local * a.hidden_size * a.moe_ffn_hidden_size * mats / \
+            a.expert_tensor_parallel_size
+        return best["forward_s"], best["backward_s"], experts, a.hidden_size * a.num_experts
+
+    def layer(self, moe: bool) -> Piece:
+        af, ab, attn_params = self.attention()
+        a, M, s, b, T = self.args, self.args.hidden_size, self.args.seq_length, \
+            self.args.micro_batch_size, self.tp
+        heads = a.num_attention_heads
+        # Korthikanti et al.: 34 s*b*M (11 attention + 19 MLP + 4 norms) + 5 h s^2 b, 2-byte
+        scale = self.e / 2
+        attn_act = (15 * s * b * M / (T if self.sp else 1) + 5 * heads * s * s * b / T) * scale
+        mlp_act = 19 * s * b * M / (T if self.sp else 1) * scale
+        if not moe:
+            mf, mb, mlp_params = self.mlp()
+            return Piece("t", af + mf, ab + mb, attn_params + mlp_params, 0.0,
+                         attn_act + mlp_act)
+        mf, mb, experts, router = self.moe_mlp()
+        return Piece("m", af + mf, ab + mb, attn_params + experts + router + M, experts,
+                     attn_act + mlp_act * a.moe_router_topk)
+
+    def head(self) -> Piece:
+        a, n, M, V, T = self.args, self.n, self.args.hidden_size, self.vocab, self.tp
+        gather = self.coll("allgather", n * M * self.e / T, T) if self.sp else 0.0
+        logits = self.traffic(4 * n * V / T * self.e)
+        gemm = self.gemm(2 * n * M * V / T)
+        ce = 3 * self.coll("allreduce", n * 4, T)
+        # the output weight: the embedding's own where tied and on the same stage (stages.py)
+        return Piece("L", gather + gemm + logits + ce, gather + 2 * (gemm + logits) + ce,
+                     M + V * M / T, 0.0, n * V / T * 4 + n * M * self.e)
+
+    def pieces(self) -> list:
+        """[E, layer 0 .. layer N-1, L] on one rank."""
+        moe = moe_layers(self.args)
+        cache = {}
+        layers = [cache.setdefault(m, self.layer(m)) for m in moe]
+        return [self.embedding(), *layers, self.head()]
+
+    # --- per stage --------------------------------------------------------------------------
+    def p2p_s(self) -> float:
+        """One activation (or its gradient) between adjacent stages."""
+        nbytes = self.n * self.args.hidden_size * self.e / (self.tp if self.sp else 1)
+        stride = self.args.world_size // self.pp
+        return self.coll("allgather", nbytes, 2, stride)
+
+    def gradient_sync_s(self, params: float, expert_params: float) -> float:
+        """The DP all-reduce of a stage's fp32 gradients (dense over DP, experts over the
+        expert-data-parallel group), then the optimizer's pass over the parameters."""
+        a = self.args
+        edp = a.world_size // (a.expert_model_parallel_size * a.expert_tensor_parallel_size
+                               * self.pp)
+        dense = self.coll("allreduce", (params - expert_params) * 4, self.dp, self.tp)
+        experts = self.coll("allreduce", expert_params * 4,
+                            edp, a.expert_model_parallel_size * a.expert_tensor_parallel_size)
+        optimizer = self.traffic(params * 32)  # fp32 weight, grad, two moments: read + write
+        return dense + experts + optimizer
+
+    def state_bytes(self, params: float) -> float:
+        """Parameters, gradients and optimizer state of params on this rank."""
+        a = self.args
+        optimizer = 12 if a.bf16 else 8  # (fp32 copy) + two Adam moments
+        if getattr(a, "use_distributed_optimizer", False):
+            optimizer /= self.dp
+        return params * (self.e + 4 + optimizer)

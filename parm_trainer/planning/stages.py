@@ -1,0 +1,167 @@
+"""The stage builder: split a model's pieces into pipeline stages so that the slowest stage is
+as fast as it can be, and hand megatron-core its own layout string ("Ettt|tt|ttL").
+
+The pieces (model_cost.py: E, every decoder layer, L) are priced per micro-batch on one rank;
+a stage is a run of consecutive pieces, E on the first, L on the last (a stage may hold only
+E or only L, as in megatron's own layouts). Dynamic programming over the split points, as
+PipeDream and Alpa partition: best[k][j] = the smallest possible largest stage time when the
+first j pieces form k stages, each stage under an optional memory limit (its parameters,
+gradients and optimizer state plus the activations of the micro-batches it holds in flight:
+P - k under 1F1B for stage k; every chunk of an interleaved rank counted at P). With V virtual
+stages per rank (interleaved 1F1B) the pieces are split into P x V chunks the same way;
+megatron places chunk c on rank c mod P.
+
+Iteration time (predict): with t_r a rank's time per micro-batch (its chunks, plus the P2P
+transfers at its boundaries) and m micro-batches, (m + (P - 1) / V) x max t_r, plus the
+slowest rank's gradient reduction and optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from parm_trainer.planning.model_cost import ModelCost
+
+
+class LayoutError(ValueError):
+    """No split meets the constraints; the message says which."""
+
+
+@dataclass
+class Stage:
+    pieces: list
+    forward_s: float
+    backward_s: float
+    params: float
+    memory_bytes: float
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+def _stage_params(pieces, tied: bool) -> tuple:
+    """(parameters, expert parameters) of a run; tied, E and L on one stage share one word
+    embedding matrix (L's piece counts its own copy, as a later stage holds one)."""
+    params = sum(p.params for p in pieces)
+    embedding = [p.params for p in pieces if p.kind == "E"]
+    if tied and embedding and pieces[-1].kind == "L":
+        params -= embedding[0]
+    return params, sum(p.expert_params for p in pieces)
+
+
+def split(pieces: list, stages: int, cost: ModelCost, in_flight: list = None,
+          memory_limit_bytes: float = None, tied: bool = True) -> list:
+    """The pieces in `stages` runs (lists) minimising the largest run's time, each under
+    memory_limit_bytes with in_flight[k] micro-batches' activations on run k."""
+    n = len(pieces)
+    if stages > n:
+        raise LayoutError(f"{stages} pipeline stages for {n - 2} decoder layers plus the "
+                          "embedding and the output layer: at most one stage per piece")
+    in_flight = in_flight or [1] * stages
+    times = [0.0]
+    for p in pieces:
+        times.append(times[-1] + p.total_s)
+
+    def memory(i, j, k):
+        run = pieces[i:j]
+        params, _ = _stage_params(run, tied)
+        return cost.state_bytes(params) + in_flight[k] * sum(p.activation_bytes for p in run)
+
+    inf = math.inf
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for j in range(k, n - (stages - k) + 1):
+            for i in range(k - 1, j):
+                if best[k - 1][i] == inf:
+                    continue
+                if memory_limit_bytes is not None and memory(i, j, k - 1) > memory_limit_bytes:
+                    continue
+                value = max(best[k - 1][i], times[j] - times[i])
+                if value < best[k][j]:
+                    best[k][j], cut[k][j] = value, i
+    if best[stages][n] == inf:
+        raise LayoutError(f"no split into {stages} stages fits the memory limit of "
+                          f"{memory_limit_bytes / 2**30:.2f} GiB per rank")
+    runs, j = [], n
+    for k in range(stages, 0, -1):
+        i = cut[k][j]
+        runs.append(pieces[i:j])
+        j = i
+    return runs[::-1]
+
+
+def even_split(pieces: list, stages: int) -> list:
+    """megatron's default: the decoder layers split evenly, E on the first stage, L on the
+    last."""
+    layers = pieces[1:-1]
+    if len(layers) % stages:
+        raise LayoutError(f"{len(layers)} layers do not split evenly into {stages} stages")
+    size = len(layers) // stages
+    runs = [layers[k * size:(k + 1) * size] for k in range(stages)]
+    runs[0] = [pieces[0], *runs[0]]
+    runs[-1] = [*runs[-1], pieces[-1]]
+    return runs
+
+
+def layout_string(runs: list) -> str:
+    """megatron-core's pipeline_model_parallel_layout for the runs (stages in order)."""
+    return "|".join("".join({"E": "E", "L": "L"}.get(p.kind, "t") for p in run) for run in runs)
+
+
+def in_flight(pp: int, vp: int, microbatches: int) -> list:
+    """Micro-batches whose activations a chunk holds at once under (interleaved) 1F1B."""
+    if vp == 1:
+        return [min(microbatches, pp - k) for k in range(pp)]
+    return [min(microbatches, pp)] * (pp * vp)
+
+
+def predict(runs: list, cost: ModelCost, pp: int, vp: int, microbatches: int,
+            tied: bool = True) -> dict:
+    """Per rank and per iteration: {"ranks": [{time_s, memory_bytes, sync_s}], "iteration_s"}."""
+    flight = in_flight(pp, vp, microbatches)
+    ranks = [{"time_s": 0.0, "memory_bytes": 0.0, "params": 0.0, "expert_params": 0.0}
+             for _ in range(pp)]
+    p2p = cost.p2p_s()
+    for c, run in enumerate(runs):
+        rank = ranks[c % pp]
+        boundaries = (c > 0) + (c < len(runs) - 1)
+        rank["time_s"] += sum(p.total_s for p in run) + 2 * boundaries * p2p
+        params, experts = _stage_params(run, tied)
+        rank["params"] += params
+        rank["expert_params"] += experts
+        rank["memory_bytes"] += flight[c] * sum(p.activation_bytes for p in run)
+    for rank in ranks:
+        rank["memory_bytes"] += cost.state_bytes(rank["params"])
+        rank["sync_s"] = cost.gradient_sync_s(rank["params"], rank["expert_params"])
+    slowest = max(r["time_s"] for r in ranks)
+    iteration = (microbatches + (pp - 1) / vp) * slowest + max(r["sync_s"] for r in ranks)
+    return {"ranks": ranks, "iteration_s": iteration}
+
+
+def auto_layout(args, log=print) -> str:
+    """--pipeline-model-parallel-layout auto: the split of least predicted iteration time for
+    args' model, PP and virtual stages, priced with --moe-parm-cost-profile (or the built-in
+    default profile); logs the layout and each stage's predicted time and memory."""
+    from parm_trainer.moe.auto import load_profile
+
+    profile = load_profile(args)
+    cost = ModelCost(args, profile)
+    pieces = cost.pieces()
+    pp = args.pipeline_model_parallel_size
+    vp = getattr(args, "num_virtual_stages_per_pipeline_rank", None) or 1
+    microbatches = args.global_batch_size // (args.micro_batch_size * cost.dp)
+    tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+    runs = split(pieces, pp * vp, cost, in_flight(pp, vp, microbatches), tied=tied)
+    layout = layout_string(runs)
+    result = predict(runs, cost, pp, vp, microbatches, tied)
+    source = args.moe_parm_cost_profile or f"the built-in default profile ({profile.description})"
+    stages = "; ".join(f"rank {r}: {rank['time_s'] * 1e3:.2f} ms per micro-batch, "
+                       f"{rank['memory_bytes'] / 2**20:.1f} MiB"
+                       for r, rank in enumerate(result["ranks"]))
+    log(f"--pipeline-model-parallel-layout auto: {layout} (predicted with {source}: {stages}; "
+        f"{result['iteration_s'] * 1e3:.1f} ms per iteration)")
+    return layout

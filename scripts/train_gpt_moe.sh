@@ -68,6 +68,24 @@ if [ -n "${WANDB_PROJECT:-}" ]; then
     OUTPUT_ARGS+=(--wandb-project "$WANDB_PROJECT" --wandb-exp-name "${WANDB_EXP_NAME:-gpt_moe}")
 fi
 
+# LAYOUT=auto: tools/plan_layout.py picks TP, EP, ESP, PP, the virtual stages and the stages for
+# NNODES x NPROC_PER_NODE ranks from the cost model (PROFILE: a calibrate_comm.py profile, else
+# the built-in default), in place of TP, EP, ETP and PP; every node computes the same choice.
+# LAYOUT=<megatron layout string, e.g. Ettt|ttL>: those stages under PP.
+if [ "${LAYOUT:-}" = auto ]; then
+    if [ -z "${PYTHON:-}" ]; then
+        if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python; fi
+    fi
+    planned=$("$PYTHON" tools/plan_layout.py --nodes "${NNODES:-1}" \
+        --gpus-per-node "${NPROC_PER_NODE:-4}" --flags-only ${PROFILE:+--profile "$PROFILE"} \
+        -- "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${TRAINING_ARGS[@]}" \
+        --tokenizer-model "$TOKENIZER_MODEL" "$@")
+    read -r -a PARALLEL_ARGS <<< "$planned"
+    echo "LAYOUT=auto: ${PARALLEL_ARGS[*]}"
+elif [ -n "${LAYOUT:-}" ]; then
+    PARALLEL_ARGS+=(--pipeline-model-parallel-layout "$LAYOUT")
+fi
+
 exec bash scripts/launch.sh "$PRETRAIN" \
     "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" \
     "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"

@@ -158,3 +158,32 @@ def test_plan_layout_ranks_layouts_that_run(capsys):
                              "--", *PLAN_MODEL]) == 1
     assert "error: no layout runs this model on 2 x 2 ranks within --memory-gb" in \
         capsys.readouterr().err
+
+
+def test_train_script_launches_with_the_planners_choice(tmp_path, gpt_data):
+    """LAYOUT=auto in scripts/train_gpt_moe.sh: the launch carries plan_layout's best flags
+    (the interpreter is a stand-in that runs the planner and prints the launch)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/bash\nif [ "$1" = tools/plan_layout.py ]; then exec {sys.executable} '
+                      '"$@"; fi\necho "LAUNCH $*"\n')
+    python.chmod(0o755)
+    env = {**os.environ, "LAYOUT": "auto", "PYTHON": str(python), "NPROC_PER_NODE": "4",
+           "TOKENIZER_MODEL": gpt_data["tokenizer"], "DATA_PATH": gpt_data["prefix"],
+           "RUN_DIR": str(tmp_path / "run")}
+    run = subprocess.run(["bash", "scripts/train_gpt_moe.sh", "--num-layers", "6"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    planned = run.stdout.splitlines()[0].removeprefix("LAYOUT=auto: ")
+    launch = run.stdout.splitlines()[-1]
+    assert planned.startswith("--tensor-model-parallel-size") and planned in launch, run.stdout
+    expected = subprocess.run(
+        [sys.executable, "tools/plan_layout.py", "--nodes", "1", "--gpus-per-node", "4",
+         "--flags-only", "--", *launch.split("pretrain_gpt_moe.py ", 1)[1].split()],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert expected.stdout.strip() == planned, expected.stderr

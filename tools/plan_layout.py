@@ -20,8 +20,15 @@ import json
 import sys
 
 from parm_trainer.arguments import ArgumentsError, parse_args
+from parm_trainer.data.tokenizer import TokenizerError, build_tokenizer
 from parm_trainer.moe.cost_model import DEFAULT_PROFILE, Profile, ProfileError
 from parm_trainer.planning.search import candidates
+
+
+def _tokenizer_vocab(model):
+    if not getattr(model, "tokenizer_model", None):
+        return None
+    return build_tokenizer(model.tokenizer_type, model.tokenizer_model).vocab_size
 
 
 def main(argv=None) -> int:
@@ -31,9 +38,12 @@ def main(argv=None) -> int:
     p.add_argument("--gpus-per-node", type=int, required=True)
     p.add_argument("--memory-gb", type=float, default=None, help="per-rank memory limit")
     p.add_argument("--profile", default=None, help="a cost profile (calibrate_comm.py)")
-    p.add_argument("--vocab-size", type=int, default=32000, help="before padding (default 32000)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="before padding (default: --tokenizer-model's, else 32000)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--json", default=None, help="write every ranked layout here")
+    p.add_argument("--flags-only", action="store_true",
+                   help="print only the best layout's flags (for launchers: LAYOUT=auto)")
     args, model_argv = p.parse_known_args(argv)
     model_argv = [a for a in model_argv if a != "--"]
     if args.nodes < 1 or args.gpus_per_node < 1:
@@ -41,15 +51,19 @@ def main(argv=None) -> int:
     try:
         profile = Profile.from_json(args.profile) if args.profile else DEFAULT_PROFILE
         model = parse_args(model_argv, world_size=1)
-    except (ProfileError, ArgumentsError) as error:
+        vocab = args.vocab_size or _tokenizer_vocab(model) or 32000
+    except (ProfileError, ArgumentsError, TokenizerError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     limit = args.memory_gb * 2**30 if args.memory_gb else None
-    ranked = candidates(model, profile, args.nodes, args.gpus_per_node, args.vocab_size, limit)
+    ranked = candidates(model, profile, args.nodes, args.gpus_per_node, vocab, limit)
     if not ranked:
         print(f"error: no layout runs this model on {args.nodes} x {args.gpus_per_node} ranks"
               + (f" within --memory-gb {args.memory_gb:g}" if limit else ""), file=sys.stderr)
         return 1
+    if args.flags_only:
+        print(" ".join(ranked[0].flags()))
+        return 0
     print(f"{len(ranked)} layouts on {args.nodes} nodes x {args.gpus_per_node}, priced with "
           f"{args.profile or 'the built-in default profile'}; the best {min(args.top, len(ranked))}:")
     print(f"{'TP':>3} {'EP':>3} {'ESP':>3} {'PP':>3} {'VP':>3} {'DP':>3} {'MoE':>8}  "

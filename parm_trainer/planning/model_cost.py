@@ -18,9 +18,9 @@ A model is a sequence of pieces, each priced forward and backward per micro-batc
 n = micro-batch x sequence tokens, T = MP size; backward: twice the GEMMs and the traffic, the
 collectives' duals. Memory per rank: parameters (dense / T, experts / (EP x ESP)), their fp32
 gradients and Adam state (12 bytes per parameter, over DP with the distributed optimizer; plus
-a 4-byte fp32 copy under bf16), and activations per micro-batch and layer from Korthikanti et
-al.'s count, s*b*M*(34 + 5*h*s/M) bytes at 2-byte activations (over T with SP), the MoE MLP's
-share scaled by top-k (its rows are k times the tokens).
+a 4-byte fp32 copy under bf16), and the activations autograd saves per micro-batch, counted
+from what this stack's modules keep (measured with torch.autograd.graph.saved_tensors_hooks on
+the local spec; see activations()).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class ModelCost:
         reduce = self.coll("reducescatter" if self.sp else "allreduce", n * M * self.e, self.tp)
         look = self.traffic(2 * n * M * self.e)
         return Piece("E", look + reduce, 2 * look + reduce, self.vocab * M / self.tp, 0.0,
-                     n * 8)  # the token ids
+                     self.activations("E"))
 
     def attention(self) -> tuple:
         a, n, M, T = self.args, self.n, self.args.hidden_size, self.tp
@@ -157,22 +157,53 @@ class ModelCost:
             a.expert_tensor_parallel_size
         return best["forward_s"], best["backward_s"], experts, a.hidden_size * a.num_experts
 
+    def activations(self, kind: str) -> float:
+        """Bytes autograd saves for one micro-batch in piece `kind` on this rank (the local
+        spec, unfused): a norm keeps its input (RMSNorm its output too) and per-token
+        statistics; each linear layer its input; core attention q, k, v, the softmax output
+        (b x h x s x s) and the causal mask; RoPE the rotated q and k; dropout with p > 0 a
+        mask per element (attention: the mask and the dropped probabilities); an MLP its fc1
+        output and activation output (2 F per row; SwiGLU 5 F: the 2F-wide fc1 output and
+        three F-wide products), on n rows (dense) or the expert rows n k ESP / MP of F / ESP
+        (MoE), whose input and weighted output rows are kept too; the router its input and
+        the routing; the output layer its input and the fp32 logits."""
+        a, e, n, M, T = self.args, self.e, self.n, self.args.hidden_size, self.tp
+        b, s, heads = a.micro_batch_size, a.seq_length, a.num_attention_heads
+        rms = getattr(a, "normalization", "LayerNorm") == "RMSNorm"
+        boundary = n * M * e / (T if self.sp else 1)  # a tensor between MP blocks
+        norm = boundary * (2 if rms else 1) + n * (4 if rms else 8)
+        hidden_drop = boundary if getattr(a, "hidden_dropout", 0.0) > 0 else 0.0
+        if kind == "E":
+            return n * 8 + hidden_drop
+        if kind == "L":
+            return norm + n * M * e + n * self.vocab / T * 4 + n * 9
+        probs = b * heads / T * s * s * e
+        attention = (norm + n * M * e + 3 * n * M * e / T + probs + s * s + n * M * e / T
+                     + hidden_drop)
+        if getattr(a, "position_embedding_type", "") == "rope":
+            attention += 2 * n * M * e / T
+        if getattr(a, "attention_dropout", 0.0) > 0:
+            attention += 2 * probs
+        widths = 5 if getattr(a, "swiglu", False) else 2
+        if kind == "t":
+            mlp = n * M * e + widths * n * a.ffn_hidden_size / T * e
+        else:
+            esp, k = a.expert_tensor_parallel_size, a.moe_router_topk
+            rows = n * k * esp / T
+            mlp = (n * M * e + n * (a.num_experts * 4 + k * 24 + 20)     # router and routing
+                   + widths * rows * a.moe_ffn_hidden_size / esp * e + 3 * rows * M * e)
+        return attention + norm + mlp + hidden_drop
+
     def layer(self, moe: bool) -> Piece:
         af, ab, attn_params = self.attention()
-        a, M, s, b, T = self.args, self.args.hidden_size, self.args.seq_length, \
-            self.args.micro_batch_size, self.tp
-        heads = a.num_attention_heads
-        # Korthikanti et al.: 34 s*b*M (11 attention + 19 MLP + 4 norms) + 5 h s^2 b, 2-byte
-        scale = self.e / 2
-        attn_act = (15 * s * b * M / (T if self.sp else 1) + 5 * heads * s * s * b / T) * scale
-        mlp_act = 19 * s * b * M / (T if self.sp else 1) * scale
+        kind = "m" if moe else "t"
         if not moe:
             mf, mb, mlp_params = self.mlp()
-            return Piece("t", af + mf, ab + mb, attn_params + mlp_params, 0.0,
-                         attn_act + mlp_act)
+            return Piece(kind, af + mf, ab + mb, attn_params + mlp_params, 0.0,
+                         self.activations(kind))
         mf, mb, experts, router = self.moe_mlp()
-        return Piece("m", af + mf, ab + mb, attn_params + experts + router + M, experts,
-                     attn_act + mlp_act * a.moe_router_topk)
+        return Piece(kind, af + mf, ab + mb, attn_params + experts + router +
+                     self.args.hidden_size, experts, self.activations(kind))
 
     def head(self) -> Piece:
         a, n, M, V, T = self.args, self.n, self.args.hidden_size, self.vocab, self.tp
@@ -182,7 +213,7 @@ class ModelCost:
         ce = 3 * self.coll("allreduce", n * 4, T)
         # the output weight: the embedding's own where tied and on the same stage (stages.py)
         return Piece("L", gather + gemm + logits + ce, gather + 2 * (gemm + logits) + ce,
-                     M + V * M / T, 0.0, n * V / T * 4 + n * M * self.e)
+                     M + V * M / T, 0.0, self.activations("L"))
 
     def pieces(self) -> list:
         """[E, layer 0 .. layer N-1, L] on one rank."""

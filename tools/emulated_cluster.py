@@ -48,34 +48,13 @@ import sys
 import threading
 import time
 
+# add_node_flags and launch_command: for the tools that import them from here (bench_e2e)
+from parm_trainer.cluster.launch import add_node_flags, launch_command  # noqa: F401
 from parm_trainer.cluster.netns import (DELAY, RATE, Cluster, ClusterError,  # noqa: F401
                                        check_host, parse_with_command, rate_bytes_per_s,
                                        run_guarded)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def add_node_flags(parser) -> None:
-    """--nodes and --inter-node-bandwidth, for the tools that can spread their ranks over
-    emulated nodes (launch_command)."""
-    parser.add_argument("--nodes", type=int, default=1,
-                        help="spread the ranks over this many emulated nodes (needs root; "
-                             "tools/emulated_cluster.py)")
-    parser.add_argument("--inter-node-bandwidth", default="200mbit",
-                        help="with --nodes > 1: the emulated link rate between nodes")
-
-
-def launch_command(nproc: int, nodes: int, bandwidth: str, log_dir: str,
-                   script_and_args: list) -> list:
-    """The command that runs script_and_args as nproc ranks (for other tools): on this
-    machine under torchrun, or with nodes > 1, nproc / nodes ranks on each of that many
-    emulated nodes, their logs in log_dir."""
-    if nodes == 1:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", str(nproc), *script_and_args]
-    return [sys.executable, os.path.abspath(__file__), "--nodes", str(nodes), "--procs-per-node",
-            str(nproc // nodes), "--inter-node-bandwidth", bandwidth, "--log-dir", log_dir, "--",
-            *script_and_args]
 
 
 def node_env(cluster: Cluster, node: int, procs: int, port: int) -> dict:

@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from conftest import ROOT
+from parm_trainer.bench import peers
 from parm_trainer.moe import step_timing
 from parm_trainer.moe.schedules import build_plan
 
@@ -114,7 +115,9 @@ def check_correct(configs, runs):
     for c in configs:
         mp, ep, esp, sp = c["layout"]
         run = runs[c["name"]]
-        wanted = c["flags"]["schedules"].split(",")
+        extra = c["flags"].get("peers")
+        wanted = peers.expand(c["flags"]["schedules"].split(",")
+                              + (extra.split(",") if extra else []))
         assert list(run["schedules"]) == wanted, (c["name"], list(run["schedules"]))
         for schedule, result in run["schedules"].items():
             where = f"{c['name']}/{schedule}"
@@ -153,6 +156,10 @@ def test_two_ranks_every_layout_and_dump(tmp_path):
                 config(1, 2, 1, name="top1-pre-softmax-ep2", **PRE_SOFTMAX),
                 config(2, 1, 2, sp=True, name="top2-pre-softmax",
                        **{"moe-router-pre-softmax": True})]
+    # --peers: its rows after --schedules', "deepspeed" for DeepSpeed's three modes (each
+    # skipped with one line where DeepSpeed is not installed)
+    configs.append(config(1, 2, 1, name="peers-flag",
+                          **{"schedules": "s1", "peers": "megatron-alltoall,deepspeed"}))
     # a configuration no schedule can run is reported, table and all, and the launch goes on
     refused = config(1, 1, 1, name="top1-refused", **{"moe-router-topk": 1})
     dump = tmp_path / "dump"
@@ -176,6 +183,7 @@ def test_two_ranks_every_layout_and_dump(tmp_path):
     assert single["total_ms"]["max"] > 0
     # Skips appear in the printed table with their reason too.
     assert "skipped: --moe-parm-schedule baseline" in stdout
+    assert list(runs["peers-flag"]["schedules"]) == ["s1", "megatron-alltoall", *peers.DEEPSPEED]
     assert "skipped: MoE with --tensor-model-parallel-size > 1" in stdout
 
     # The dump of the first configuration (DP replica 0) reproduces with reference.py here.

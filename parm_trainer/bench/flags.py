@@ -1,0 +1,134 @@
+"""bench_moe_layer's flags: Megatron-LM's (parm_trainer.arguments) and the tool's own, parsed
+for the command line and for every entry of --configs alike.
+
+Rows: --schedules (Parm's baseline, s1, s2, auto, and any peer) and then --peers (megatron-core's
+dispatchers, "deepspeed" for DeepSpeed's three modes; peers/__init__.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from parm_trainer.arguments import parse_args
+from parm_trainer.bench import peers
+from parm_trainer.moe.reference import ACTIVATION, ROUTER
+
+PARM = ("baseline", "s1", "s2", "auto")
+SCHEDULE_NAMES = (*PARM, *peers.NAMES)
+DEFAULT_ROWS = "baseline,s1,s2,megatron"
+TOOL_HELP = f"""\
+bench_moe_layer: one MoE layer, forward and backward, under several schedules, each checked
+against parm_trainer/moe/reference.py, timed, and its collectives' bytes counted.
+Router:     logits = x @ gate.T; routing probabilities = {ROUTER} of each
+            token (megatron-core's default: score function "softmax"), or with
+            --moe-router-pre-softmax (needed for top-1) the softmax over all E logits at
+            the top k; dropless unless --moe-expert-capacity-factor.
+Activation: {ACTIVATION} (torch.nn.functional.gelu, megatron-core's default); no biases.
+Aux loss:   coeff * E / (k * T^2) * sum_e count_e * sum_t softmax(logits)[t, e] (megatron-core's
+            switch load-balancing loss). fp32 only."""
+
+
+class ToolError(ValueError):
+    """Flags the tool cannot run with; the message names them."""
+
+
+def add_tool_args(parser: argparse.ArgumentParser) -> None:
+    parser.description = TOOL_HELP
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    g = parser.add_argument_group("bench_moe_layer")
+    # Rows run at the depth given (--moe-parm-chunks, 1 unless given; 0: chosen as auto does),
+    # not at the training default of a depth chosen at start-up.
+    parser.set_defaults(moe_parm_chunks=1)
+    g.add_argument("--nproc", type=int, default=None,
+                   help="Start this many ranks on this machine (torchrun); without it the tool "
+                        "is one rank of a job torchrun started.")
+    g.add_argument("--schedules", default=None,
+                   help=f"Comma-separated schedules to run, from {','.join(SCHEDULE_NAMES)} "
+                        f"(default {DEFAULT_ROWS}; with --peers: {','.join(PARM[:3])}). "
+                        "One that cannot run the layout is reported as skipped, with the reason.")
+    g.add_argument("--peers", default=None,
+                   help="Comma-separated peers run after --schedules' rows: "
+                        f"{','.join(peers.MEGATRON[1:])}, megatron (its dispatcher from "
+                        "--moe-token-dispatcher-type), deepspeed (its ep, dedup and ted modes; "
+                        "pip install .[peers]) or one of "
+                        f"{','.join(peers.DEEPSPEED)}.")
+    g.add_argument("--ratio-to", default="baseline",
+                   help="The entry of --schedules the ratio column divides by (default baseline).")
+    g.add_argument("--iters", type=int, default=10, help="Timed iterations (median reported).")
+    g.add_argument("--warmup", type=int, default=2, help="Untimed iterations first.")
+    g.add_argument("--json", default=None, metavar="OUT", help="Write the results here (rank 0).")
+    g.add_argument("--step-times", action="store_true",
+                   help="After the timed iterations, time each Parm row's plan steps as "
+                        "--timing-log-level 2 does in training (--iters more iterations) and "
+                        "print their sum beside the row's fwd+bwd.")
+    g.add_argument("--dump", default=None, metavar="DIR",
+                   help="Write full input, output gradient, weights and each schedule's output "
+                        "and input gradient of data-parallel replica 0 here (torch.save).")
+    g.add_argument("--inter-node-rate", default=None, metavar="RATE",
+                   help="The rate of one node's network link, for the link-time floor column: "
+                        "a tc rate (200mbit, 25mbps) or a profile JSON from "
+                        "tools/calibrate_comm.py run across nodes (its node link AlltoAll rate).")
+    # Hidden: a JSON file holding a list of {"name": ..., "argv": [...]}; every entry is run in
+    # this one launch (the world size stays, the layout may change), --json gets {"runs": [...]}.
+    g.add_argument("--configs", default=None, help=argparse.SUPPRESS)
+
+
+def _names(value: str) -> list:
+    return [s.strip() for s in value.split(",") if s.strip()]
+
+
+def rows(args) -> list:
+    """The rows to run, in order: --schedules', then --peers' (groups expanded, each once)."""
+    schedules = _names(args.schedules if args.schedules is not None else
+                       ",".join(PARM[:3]) if args.peers else DEFAULT_ROWS)
+    unknown = [s for s in schedules if s not in SCHEDULE_NAMES and s not in peers.GROUPS]
+    if unknown or not schedules and not args.peers:
+        raise ToolError(f"--schedules: unknown {unknown}; choose from {','.join(SCHEDULE_NAMES)}")
+    extra = _names(args.peers or "")
+    unknown = [p for p in extra if p not in peers.NAMES and p not in peers.GROUPS]
+    if unknown or args.peers is not None and not extra:
+        raise ToolError(f"--peers: unknown {unknown}; choose from "
+                        f"{','.join((*peers.NAMES, *peers.GROUPS))}")
+    return peers.expand(schedules + extra)
+
+
+def parse(argv, world_size=None):
+    args = parse_args(argv, add_tool_args, world_size=world_size)
+    args.schedule_list = rows(args)
+    if args.iters < 0 or args.warmup < 0:
+        raise ToolError("--iters and --warmup must not be negative")
+    if args.swiglu:
+        raise ToolError("--swiglu: the reference implements the gelu expert only")
+    if args.bf16 and any(name.startswith("deepspeed") for name in args.schedule_list):
+        raise ToolError("--bf16: the DeepSpeed peers run in fp32 here")
+    if args.moe_z_loss_coeff:
+        raise ToolError("--moe-z-loss-coeff: the reference has no z-loss")
+    if args.moe_router_load_balancing_type not in ("aux_loss", "none"):
+        raise ToolError("--moe-router-load-balancing-type: the reference implements aux_loss")
+    if args.moe_router_load_balancing_type == "none":
+        args.moe_aux_loss_coeff = 0.0
+    args.link_bytes_per_s = link_rate(args.inter_node_rate) if args.inter_node_rate else None
+    if args.num_experts is None and not args.configs:
+        raise ToolError("--num-experts is required")
+    args.disable_bias_linear = True  # experts and router without biases, as the reference
+    args.hidden_dropout = args.attention_dropout = 0.0
+    return args
+
+
+def link_rate(value: str) -> float:
+    """Bytes per second of one node's link: a tc rate, or a calibrated profile's node link
+    AlltoAll rate."""
+    from parm_trainer.cluster.netns import RATE, rate_bytes_per_s
+
+    if value.endswith(".json"):
+        try:
+            with open(value) as f:
+                fit = json.load(f)["fit"]["alltoall"]["inter"]
+            return float(fit["node_link_GBps"]) * 1e9
+        except (OSError, KeyError, TypeError, ValueError) as error:
+            raise ToolError(f"--inter-node-rate {value}: no node link rate in it ({error!r}); "
+                            "calibrate across nodes with tools/calibrate_comm.py") from None
+    if not RATE.match(value):
+        raise ToolError(f"--inter-node-rate {value!r}: a rate such as 200mbit, or a profile JSON")
+    return rate_bytes_per_s(value)

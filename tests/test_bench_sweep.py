@@ -1,4 +1,5 @@
-"""tools/bench_sweep.py without launches: the grid is large and spans 2, 4 and 8 ranks, and the
+"""bench_sweep without launches (parm_trainer/bench/sweep.py; the tool's flags and commands):
+the grid is large and spans 2, 4 and 8 ranks, and the
 summary picks the best Parm row and its ratios to deepspeed-ted, to the best megatron
 dispatcher and to its own link floor from bench_moe_layer-like runs, leaving out rows that did
 not run; --nodes spreads each world over emulated nodes, and a world it cannot split evenly is
@@ -9,6 +10,7 @@ import importlib.util
 import pytest
 
 from conftest import ROOT
+from parm_trainer.bench.sweep import grid, markdown, summarise
 
 spec = importlib.util.spec_from_file_location("bench_sweep", ROOT / "tools/bench_sweep.py")
 tool = importlib.util.module_from_spec(spec)
@@ -23,7 +25,7 @@ def _row(ms, floor=None):
 
 
 def test_grid():
-    configs = tool.grid()
+    configs = grid()
     assert len(configs) >= 20 and {w for _, w, _ in configs} == {2, 4, 8}
     for name, world, argv in configs:
         mp = int(argv[argv.index("--tensor-model-parallel-size") + 1])
@@ -38,7 +40,7 @@ def test_summary_and_table(tmp_path):
             {"name": "b", "schedules": {"s1": _row(4.0), "s2": _row(None),
                                         "deepspeed-ted": _row(None),
                                         "megatron-alltoall": _row(2.0)}}]
-    summary = tool.summarise(runs)
+    summary = summarise(runs)
     a, b = summary["configs"]
     assert a["best_parm"] == "s2" and a["fastest"] == "baseline"
     assert a["parm_over_ted"] == pytest.approx(6 / 9)
@@ -48,7 +50,7 @@ def test_summary_and_table(tmp_path):
     assert summary["parm_over_ted"]["configs"] == 1
     assert summary["parm_over_megatron"] == {"min": 0.6, "median": 1.3, "max": 2.0,
                                              "configs": 2}
-    table = tool.markdown(summary)
+    table = markdown(summary)
     assert "| a | 5.0 (0.56) |" in table and "| b | - |" in table
     # one node: no floors, the floor columns show -
     assert a["floor_ms"] is None and a["parm_over_floor"] is None
@@ -65,14 +67,14 @@ def test_link_floor(tmp_path):
             {"name": "b", "schedules": {"s1": _row(4.0, 1.0), "auto": _row(3.0, 0.5)}},
             {"name": "c", "schedules": {"s2": _row(7.0, 1.75)}},
             {"name": "d", "schedules": {"s1": _row(4.0)}}]
-    summary = tool.summarise(runs)
+    summary = summarise(runs)
     a, b, c, d = summary["configs"]
     assert (a["best_parm"], a["floor_ms"], a["parm_over_floor"]) == ("s2", 2.0, 3.0)
     assert (b["best_parm"], b["floor_ms"], b["parm_over_floor"]) == ("auto", 0.5, 6.0)
     assert c["parm_over_floor"] == 4.0
     assert d["floor_ms"] is None and d["parm_over_floor"] is None
     assert summary["parm_over_floor"] == {"min": 3.0, "median": 4.0, "max": 6.0, "configs": 3}
-    lines = tool.markdown(summary).splitlines()
+    lines = markdown(summary).splitlines()
     assert lines[0].endswith("| floor ms | best Parm / floor |")
     assert lines[2].endswith("| - | 1.20 | 2.0 | 3.00 |")  # a: s2 over megatron, floor, ratio
     assert lines[5].endswith("| - | - | - | - |")  # d

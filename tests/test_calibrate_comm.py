@@ -1,4 +1,5 @@
-"""tools/calibrate_comm.py: one 2-rank gloo launch on a small size range writes a cost profile
+"""tools/calibrate_comm.py (parm_trainer/bench/calibrate.py, calibration_report.py): one 2-rank
+gloo launch on a small size range writes a cost profile
 that Profile.from_json loads, with a positive alpha and beta for every kind and link and the
 r^2 of each fit reported. No timing is asserted beyond that (CPU timings are noisy).
 
@@ -53,23 +54,19 @@ def test_groups_and_node_share():
     """Which groups each link class is measured on, and the factor from a rank's fitted
     bandwidth to its node's link: the ranks of a node sending at once, times the share of
     their peers on other nodes."""
-    import importlib.util
+    from parm_trainer.bench import calibrate
 
-    spec = importlib.util.spec_from_file_location("calibrate_comm",
-                                                  ROOT / "tools/calibrate_comm.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     # 2 nodes x 2 ranks, groups of 2: pairs inside a node, pairs one node apart
-    groups = tool.calibration_groups(4, 2, 2)
+    groups = calibrate.calibration_groups(4, 2, 2)
     assert groups == {"intra": [[0, 1], [2, 3]], "inter": [[0, 2], [1, 3]]}
-    assert tool.node_share(groups["inter"], 2) == 2.0   # both ranks of a node, all peers remote
-    assert tool.node_share(groups["intra"], 2) == 0.0
+    assert calibrate.node_share(groups["inter"], 2) == 2.0   # both ranks of a node, all peers remote
+    assert calibrate.node_share(groups["intra"], 2) == 0.0
     # the whole world of 2 x 4: 4 ranks per node at once, 4 of each rank's 7 peers remote
-    world = tool.calibration_groups(8, 4)
+    world = calibrate.calibration_groups(8, 4)
     assert world["inter"] == [list(range(8))]
-    assert tool.node_share(world["inter"], 4) == pytest.approx(4 * 4 / 7)
-    assert tool.remote_peers(world["inter"], 4) == pytest.approx(4 / 7)
-    assert tool.remote_peers(groups["inter"], 2) == 1.0
+    assert calibrate.node_share(world["inter"], 4) == pytest.approx(4 * 4 / 7)
+    assert calibrate.remote_peers(world["inter"], 4) == pytest.approx(4 / 7)
+    assert calibrate.remote_peers(groups["inter"], 2) == 1.0
 
 
 def test_inter_alltoall_beta_is_per_byte_that_crosses(tmp_path, capsys):
@@ -78,24 +75,21 @@ def test_inter_alltoall_beta_is_per_byte_that_crosses(tmp_path, capsys):
     model prices only the remote share of the bytes, Profile.price), ring collectives' as
     fitted. Synthetic points, exact lines."""
     import argparse
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("calibrate_comm",
-                                                  ROOT / "tools/calibrate_comm.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    from parm_trainer.bench import calibrate
+    from parm_trainer.bench.calibration_report import report
     sizes = [2 ** 18 * 2 ** i for i in range(5)]
     line = lambda alpha, beta: [(b, alpha + b * beta) for b in sizes]  # noqa: E731
     measured = {link: (4 if link == "intra" else 8,
                        {kind: line(1e-4, (1e-8 if link == "inter" else 1e-9)) for kind in KINDS})
                 for link in ("intra", "inter")}
     local = {"compute": line(1e-5, 1e-11), "memory": line(1e-6, 1e-10)}
-    groups = tool.calibration_groups(8, 4)
+    groups = calibrate.calibration_groups(8, 4)
     args = argparse.Namespace(sizes=sizes, repeats=3, warmup=1, name="t", require_r2=False,
                               output=str(tmp_path / "p.json"))
-    assert tool.report(args, "gloo", 8, 4, 2, measured, local,
-                       {link: tool.node_share(g, 4) for link, g in groups.items()},
-                       {link: tool.remote_peers(g, 4) for link, g in groups.items()}) == 0
+    assert report(args, "gloo", 8, 4, 2, measured, local,
+                       {link: calibrate.node_share(g, 4) for link, g in groups.items()},
+                       {link: calibrate.remote_peers(g, 4) for link, g in groups.items()}) == 0
     profile = Profile.from_json(str(tmp_path / "p.json"))
     assert profile.collectives["alltoall"]["inter"][1] == pytest.approx(1e-8 * 7 / 4)
     assert profile.collectives["allgather"]["inter"][1] == pytest.approx(1e-8)

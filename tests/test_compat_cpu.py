@@ -9,6 +9,9 @@ Every patch in parm_trainer/compat/cpu.py is checked twice:
 
 A patch that megatron-core no longer needs makes its "still needed" test fail: drop the patch
 (or the module from its list) together with the check.
+
+Over 500 lines on purpose: one pair of checks per patch, side by side, so that a patch and its
+two checks are read (and dropped) together, and the "still needed" checks share one subprocess.
 """
 
 import importlib

@@ -3,6 +3,9 @@
 Fast single-process unit tests (no torchrun): layout checks, flag parsing, vocabulary padding,
 the FLOPs formula, the pretraining sampler's order, and the layout-free weight initialisation on
 a tiny megatron GPTModel in a one-rank gloo world.
+
+Over 500 lines on purpose: many small checks that share one process (and megatron-core's
+import, seconds on this machine) instead of one per topic.
 """
 
 import argparse

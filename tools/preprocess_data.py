@@ -32,15 +32,12 @@ import sys
 import time
 import warnings
 
-# Run from a checkout without installing: make parm_trainer importable.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 with warnings.catch_warnings():
     # megatron.core warns at import time about optional GPU extensions.
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-from parm_trainer.data.jsonl import make_output_dir, parse_record  # noqa: E402
+from parm_trainer.data.jsonl import make_output_dir, parse_record  # noqa: E402 (after the filter)
 from parm_trainer.data.tokenizer import build_tokenizer  # noqa: E402
 
 # The sentence splitter described in the docstring above.

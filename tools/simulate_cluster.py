@@ -30,14 +30,10 @@ import itertools
 import json
 import os
 import statistics
-import sys
 from dataclasses import replace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from parm_trainer.moe.cost_model import (  # noqa: E402
-    LayerShape, Profile, plan_cost, price_schedules)
-from parm_trainer.moe.schedules import build_plan  # noqa: E402
+from parm_trainer.moe.cost_model import LayerShape, Profile, plan_cost, price_schedules
+from parm_trainer.moe.schedules import build_plan
 
 CLUSTERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "clusters")
 SCHEDULES = ("baseline", "s1", "s2")

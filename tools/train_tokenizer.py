@@ -25,9 +25,8 @@ import time
 
 import sentencepiece as spm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from parm_trainer.data.jsonl import iter_jsonl_texts, make_output_dir  # noqa: E402
-from parm_trainer.data.tokenizer import BERT_SYMBOLS  # noqa: E402
+from parm_trainer.data.jsonl import iter_jsonl_texts, make_output_dir
+from parm_trainer.data.tokenizer import BERT_SYMBOLS
 
 SPECIAL_IDS = {"pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
 

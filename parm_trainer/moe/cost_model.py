@@ -61,6 +61,10 @@ expected tokens x ep_hit() rows of M + L values (L = E/EP routing weights) and g
 M back for each; see _exact_step_load. Not priced: the one-scalar all-reduce that agrees the
 padded exchange's dropless capacity; expert loads are taken at their means (the slowest rank's
 excess over the mean is not priced).
+
+Over 500 lines on purpose: this docstring is the model's specification, and the loads
+(step_load), their prices and the plan walk that it describes read as one with it, beside the
+Profile and LayerShape they price with.
 """
 
 from __future__ import annotations

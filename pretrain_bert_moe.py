@@ -46,8 +46,8 @@ def check_bert_inputs(args):
         check_sentence_level(prefix)
 
 
-def model_provider(args, config, pre_process=True, post_process=True):
-    return build_bert_moe(args, config, args.padded_vocab_size, pre_process, post_process)
+def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
+    return build_bert_moe(args, config, args.padded_vocab_size, pre_process, post_process, vp_stage)
 
 
 def datasets_provider(args, num_samples):

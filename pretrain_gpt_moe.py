@@ -29,8 +29,8 @@ from parm_trainer.training.initialize import initialize, user_errors
 from parm_trainer.training.loop import pretrain
 
 
-def model_provider(args, config, pre_process=True, post_process=True):
-    return build_gpt_moe(args, config, args.padded_vocab_size, pre_process, post_process)
+def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):
+    return build_gpt_moe(args, config, args.padded_vocab_size, pre_process, post_process, vp_stage)
 
 
 def datasets_provider(args, num_samples):

@@ -62,8 +62,11 @@ def _moe_group(parser):
                    help="Routing probabilities: the softmax over all experts' logits, taken at "
                         "the top k (default: the softmax over the top k logits). Needed for "
                         "--moe-router-topk 1, where a softmax over one logit has no gradient.")
-    g.add_argument("--moe-layer-freq", type=int, default=1,
-                   help="Every n-th layer is MoE (1: all layers).")
+    g.add_argument("--moe-layer-freq", type=moe_layer_freq, default=1,
+                   help="Which layers are MoE (the others a dense MLP of --ffn-hidden-size): N, "
+                        "every N-th layer from the first (1: all layers), or a Python list "
+                        "expression of --num-layers 1s (MoE) and 0s (dense), e.g. "
+                        "'([0]+[1]*7)' or '[1,0,1,0]' (Megatron-LM's forms).")
     g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
                    help="Capacity factor f; tokens over capacity are dropped. None: dropless.")
     g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
@@ -110,6 +113,24 @@ def _parallel_group(parser):
     g = parser.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="MP (tensor) size G.")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Pipeline stages.")
+    g.add_argument("--pipeline-model-parallel-layout", default=None,
+                   help="megatron-core's layout string: the stages, split by |, of E (embedding), "
+                        "t (decoder layer), L (loss), e.g. 'Ettt|tt|ttL', with (...)*n and x*n "
+                        "repeating ('E|(tt|)*3,tL'; commas are cosmetic); more stages than "
+                        "--pipeline-model-parallel-size give interleaved 1F1B (stage i on rank "
+                        "i mod PP). 'auto': the stage builder's split of least predicted time.")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="Decoder layers on the first pipeline stage (default: an even split).")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="Decoder layers on the last pipeline stage (default: an even split).")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="Interleaved 1F1B: this many model chunks per pipeline rank.")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="Interleaved 1F1B: this many layers per model chunk (even split only).")
+    g.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm",
+                   help="Interleaved 1F1B: batch each step's pipeline sends and receives instead "
+                        "of overlapping them with compute (needs --pipeline-model-parallel-size "
+                        "> 2).")
     g.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP size.")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="ESP (expert tensor parallel) size (default: the MP size).")
@@ -247,6 +268,8 @@ def command_line(values: dict, extra_args_provider=None) -> list:
             flags += [option] if value else []
         elif isinstance(action, argparse._StoreFalseAction):
             flags += [] if value else [option]
+        elif action.type is moe_layer_freq and isinstance(value, list):  # as the parser reads it
+            flags += [option, "[" + ",".join(map(str, value)) + "]"]
         elif value is not None and value != action.default:
             flags += [option, str(value)]
     return flags
@@ -254,6 +277,63 @@ def command_line(values: dict, extra_args_provider=None) -> list:
 
 class ArgumentsError(ValueError):
     """Flags that contradict each other; the message names them."""
+
+
+def moe_layer_pattern(freq, num_layers: int) -> list:
+    """--moe-layer-freq as one 0/1 per layer (1 = MoE): an int N makes layers i with
+    i % N == 0 MoE (megatron's integer frequency); a list is the pattern itself."""
+    if isinstance(freq, int):
+        return [int(i % freq == 0) for i in range(num_layers)]
+    return [int(bool(v)) for v in freq]
+
+
+_PATTERN_LIMIT = 1_000_000  # entries a --moe-layer-freq expression may build
+
+
+def moe_layer_freq(text) -> "int | list":
+    """--moe-layer-freq as Megatron-LM reads it: an int N, or a list expression of 1s and 0s
+    built from [..], + and * (evaluated on its syntax tree, not by eval, so nothing but lists
+    and whole numbers can appear)."""
+    import ast
+
+    text = str(text).replace(" ", "")
+    if "[" not in text:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is neither a number nor a list such as '[1,0,1,0]' or "
+                f"'([0]+[1]*7)'") from None
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List) and all(isinstance(e, ast.Constant) for e in node.elts):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Add) and type(left) is type(right):
+                result = left + right
+            elif isinstance(node.op, ast.Mult) and not (isinstance(left, list)
+                                                        and isinstance(right, list)):
+                size = math.prod(len(x) if isinstance(x, list) else x for x in (left, right))
+                if size > _PATTERN_LIMIT:
+                    raise ValueError("too long")
+                result = left * right
+            else:
+                raise ValueError(type(node.op).__name__)
+            return result
+        raise ValueError(type(node).__name__)
+
+    try:
+        pattern = value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        pattern = None
+    if not isinstance(pattern, list) or any(v not in (0, 1) for v in pattern):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a list of 1s (MoE) and 0s (dense layers) built from [..], + "
+            f"and *, e.g. '([0]+[1]*7)'")
+    return pattern
 
 
 def _check(args) -> None:

@@ -126,13 +126,17 @@ def main(argv=None) -> None:
     from parm_trainer.data.tokenizer import build_tokenizer
     from parm_trainer.models.config import transformer_config
     from parm_trainer.models.gpt import build_gpt_moe
-    from parm_trainer.parallel import destroy_distributed, initialize_distributed, validate_layout
+    from parm_trainer.parallel import (LayoutError, destroy_distributed, initialize_distributed,
+                                       validate_layout)
     from parm_trainer.training.checkpointing import load_checkpoint
     from parm_trainer.training.initialize import user_errors
 
     with user_errors():
         own, args = generation_args(argv)
         validate_layout(args)
+        if args.virtual_pipeline_model_parallel_size or args.pipeline_stages is None:
+            raise LayoutError("tools/generate.py runs one model chunk per pipeline rank: give "
+                              "no virtual stages and no --pipeline-model-parallel-layout auto")
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
         cpu.apply()
         initialize_distributed(args)

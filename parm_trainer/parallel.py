@@ -46,8 +46,10 @@ def validate_layout(args: argparse.Namespace) -> None:
              f"--expert-tensor-parallel-size {etp} x --expert-model-parallel-size {ep} x "
              f"--pipeline-model-parallel-size {pp} = {etp * ep * pp} does not divide the world "
              f"size {world}")
-    _require(args.num_layers % pp == 0,
-             f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    # which layers each stage holds (here, not at the top: pipeline_layout uses LayoutError)
+    from parm_trainer.pipeline_layout import check_interleaved_batch, check_pipeline
+
+    check_pipeline(args)
     _require(args.num_attention_heads % tp == 0,
              f"--num-attention-heads {args.num_attention_heads} is not divisible by "
              f"--tensor-model-parallel-size {tp}")
@@ -71,12 +73,18 @@ def validate_layout(args: argparse.Namespace) -> None:
     _validate_moe(args, tp, ep, etp)
     args.data_parallel_size = world // (tp * pp)
     _validate_batch(args)
+    check_interleaved_batch(args)
 
 
 def _validate_moe(args, tp, ep, etp) -> None:
     experts = args.num_experts
     _require(experts is None or experts >= 1, "--num-experts must be at least 1")
-    _require(args.moe_layer_freq >= 1, "--moe-layer-freq must be at least 1")
+    freq = args.moe_layer_freq
+    if isinstance(freq, int):
+        _require(freq >= 1, "--moe-layer-freq must be at least 1")
+    else:  # a list: one entry per layer (arguments.moe_layer_freq checked the entries)
+        _require(len(freq) == args.num_layers,
+                 f"--moe-layer-freq lists {len(freq)} layers, --num-layers is {args.num_layers}")
     if experts is None:
         _require(ep == 1, "--expert-model-parallel-size > 1 needs --num-experts")
         return
@@ -173,15 +181,28 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size",
+                                                     None),
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,  # a timedelta's minutes
     )
     consecutive_subgroup(1)
     consecutive_subgroup(torch.distributed.get_world_size() // args.pipeline_model_parallel_size)
+    from parm_trainer.pipeline_layout import recorded_stages
+
+    _RECORDED["stages"] = recorded_stages(args)
 
 
 _SUBGROUPS: dict = {}
+_RECORDED: dict = {}  # of this run's layout, what the group sizes do not say
+
+
+def recorded_pipeline_stages():
+    """The stages' layout string where it is not megatron's even split (else None): part of the
+    layout a checkpoint records, since the distributed optimizer's dp_reshardable state and the
+    RNG streams belong to one placement of the layers."""
+    return _RECORDED.get("stages")
 
 
 def consecutive_subgroup(size: int):
@@ -203,6 +224,7 @@ def reset_model_parallel() -> None:
 
     parallel_state.destroy_model_parallel()
     _SUBGROUPS.clear()
+    _RECORDED.clear()
     if torch.distributed.is_initialized():
         world = torch.distributed.group.WORLD
         for group in list(torch.distributed.distributed_c10d._world.pg_map):
@@ -215,5 +237,6 @@ def destroy_distributed() -> None:
 
     parallel_state.destroy_model_parallel()
     _SUBGROUPS.clear()
+    _RECORDED.clear()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -10,6 +10,7 @@ conversion tools run their main(argv) too; the launchers run in bash and stop be
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -107,6 +108,45 @@ PRETRAIN_CASES = [
      ["--moe-router-topk 5 must be between 1 and --num-experts 4"]),
     ("pp_vs_layers", 2, ["--pipeline-model-parallel-size", "2", "--num-layers", "3"], 1,
      ["--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"]),
+    # pipeline stages (--num-layers 2 unless given)
+    ("layout_layer_count", 2, ["--pipeline-model-parallel-size", "2",
+                               "--pipeline-model-parallel-layout", "Ett|tL"], 1,
+     ["--pipeline-model-parallel-layout 'Ett|tL' has 3 decoder layers (t), --num-layers is 2"]),
+    ("layout_embedding_not_first", 2, ["--pipeline-model-parallel-size", "2",
+                                       "--pipeline-model-parallel-layout", "tE|tL"], 1,
+     ["'tE|tL': E (the embedding) must come first in the first stage"]),
+    ("layout_loss_not_last", 2, ["--pipeline-model-parallel-size", "2",
+                                 "--pipeline-model-parallel-layout", "Et|Lt"], 1,
+     ["'Et|Lt': L (the loss) must come last in the last stage"]),
+    ("layout_stages_vs_pp", 2, ["--pipeline-model-parallel-size", "2",
+                                "--pipeline-model-parallel-layout", "Et|t|L"], 1,
+     ["'Et|t|L' has 3 stages, not a multiple of --pipeline-model-parallel-size 2"]),
+    ("layout_empty_stage", 3, ["--pipeline-model-parallel-size", "3",
+                               "--pipeline-model-parallel-layout", "Ett||L"], 1,
+     ["'Ett||L': stage 1 is empty"]),
+    ("layout_bad_letter", 2, ["--pipeline-model-parallel-size", "2",
+                              "--pipeline-model-parallel-layout", "Et|xL"], 1,
+     ["'Et|xL': Invalid layer character: x"]),
+    ("layout_with_first_stage", 2, ["--pipeline-model-parallel-size", "2",
+                                    "--pipeline-model-parallel-layout", "Et|tL",
+                                    "--decoder-first-pipeline-num-layers", "1"], 1,
+     ["--decoder-first-pipeline-num-layers and --pipeline-model-parallel-layout exclude each "
+      "other"]),
+    ("first_stage_takes_every_layer", 2, ["--pipeline-model-parallel-size", "2",
+                                          "--decoder-first-pipeline-num-layers", "2"], 1,
+     ["--decoder-first-pipeline-num-layers 2 leave 0 of --num-layers 2 for the 1 other stage"]),
+    ("virtual_stages_do_not_divide", 2, ["--pipeline-model-parallel-size", "2",
+                                         "--num-virtual-stages-per-pipeline-rank", "2"], 1,
+     ["--num-virtual-stages-per-pipeline-rank 2 does not divide each stage's layers (1"]),
+    ("interleaved_micro_batches", 2, ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                                      "--num-virtual-stages-per-pipeline-rank", "2",
+                                      "--global-batch-size", "6"], 1,
+     ["the interleaved schedule (2 virtual stages per rank) needs the micro-batches per "
+      "iteration (3 = --global-batch-size 6", "a multiple of --pipeline-model-parallel-size 2"]),
+    ("moe_layer_freq_list_length", 1, ["--moe-layer-freq", "[1,0,1]"], 1,
+     ["--moe-layer-freq lists 3 layers, --num-layers is 2"]),
+    ("moe_layer_freq_not_a_pattern", 1, ["--moe-layer-freq", "[1,2]"], 2,
+     ["argument --moe-layer-freq: '[1,2]' is not a list of 1s (MoE) and 0s (dense layers)"]),
     ("unknown_schedule", 1, ["--moe-parm-schedule", "s3"], 2,
      ["argument --moe-parm-schedule: invalid choice: 's3'"]),
     ("unknown_flag", 1, ["--num-expert", "4"], 2, ["unrecognized arguments: --num-expert 4"]),
@@ -152,6 +192,15 @@ def test_pretrain_gpt_refuses(world, flags, status, needles, entry, gpt_data, ju
     assert_refused(main, argv, capsys, status, *(n.format(junk=junk) for n in needles))
 
 
+def test_pretrain_gpt_refuses_auto_stages_without_the_stage_builder(entry, gpt_data, capsys,
+                                                                   monkeypatch):
+    monkeypatch.setitem(sys.modules, "parm_trainer.planning.stages", None)  # import fails
+    main = entry("pretrain_gpt_moe.py", 2)
+    assert_refused(main, pretrain_argv(gpt_data, "--pipeline-model-parallel-size", "2",
+                                       "--pipeline-model-parallel-layout", "auto"), capsys, 1,
+                   "--pipeline-model-parallel-layout auto is not available")
+
+
 def test_pretrain_bert_refuses_a_mask_probability_over_one(entry, gpt_data, capsys):
     main = entry("pretrain_bert_moe.py")
     assert_refused(main, pretrain_argv(gpt_data, "--mask-prob", "1.5"), capsys, 1,
@@ -177,6 +226,15 @@ def test_generate_refuses(case, entry, junk, capsys):
                               ["--tensor-model-parallel-size 2", "world size 1"]),
     }[case]
     assert_refused(main, argv, capsys, status, *needles)
+
+
+def test_generate_refuses_virtual_stages(entry, junk, capsys):
+    main = entry("tools/generate.py", 2)
+    argv = ["--load-dir", junk / "no_tokenizer_ckpt", "--prompt", "x", "--tokenizer-model",
+            junk / "garbage.model", "--num-layers", "4", "--pipeline-model-parallel-size", "2",
+            "--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "4"]
+    assert_refused(main, argv, capsys, 1, "tools/generate.py runs one model chunk per pipeline "
+                                          "rank")
 
 
 MIXTRAL_CONFIG = {"model_type": "mixtral", "vocab_size": 2048, "hidden_size": 64,

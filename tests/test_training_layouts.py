@@ -16,6 +16,7 @@ from conftest import ROOT, launch, max_relative, tiny_gpt_args
 from parm_trainer import plots
 from parm_trainer.moe import step_timing
 from parm_trainer.moe.schedules import build_plan
+from parm_trainer.training.checkpoint_files import TRACKER
 
 TP2_EP2_ESP2_SP = {"tensor-model-parallel-size": 2, "expert-model-parallel-size": 2,
                    "expert-tensor-parallel-size": 2, "sequence-parallel": True}
@@ -53,19 +54,24 @@ def test_first_five_losses_match_single_rank(layout, reference, gpt_data, tmp_pa
     nproc, flags = LAYOUTS[layout]
     extra = {"tensorboard-dir": tmp_path / "tensorboard"} if "timing-log-level" in flags else {}
     run = launch(nproc, tiny_gpt_args(gpt_data, **flags, **extra), tmp_path)
-    assert run.returncode == 0, run.output[-4000:]
-    expected, got = reference.loss(), run.loss()
-    assert len(got) == len(expected) == 5
-    assert max_relative(got, expected) < 1e-4, (got, expected)
-    # the load-balancing loss is part of the same function
-    assert max_relative(run.loss("load_balancing_loss"),
-                        reference.loss("load_balancing_loss")) < 1e-4
-    # the routers sent every expert the same tokens (counts summed over the ranks)
-    assert run.loss("tokens per expert") == reference.loss("tokens per expert")
-    assert len(re.findall(r"\| peak rss [\d.]+ MiB$", run.output, re.M)) == 5
+    assert_trains_like(run, reference)
     if "timing-log-level" in flags:
         check_timing_report(run.output, flags)
         check_plots(tmp_path, run)
+
+
+def assert_trains_like(run, reference, iterations=slice(0, 5)):
+    """run's losses (those of `iterations` of the reference's five) are the reference's."""
+    assert run.returncode == 0, run.output[-4000:]
+    expected, got = reference.loss()[iterations], run.loss()
+    assert len(reference.loss()) == 5 and len(got) == len(expected), (got, expected)
+    assert max_relative(got, expected) < 1e-4, (got, expected)
+    # the load-balancing loss is part of the same function
+    assert max_relative(run.loss("load_balancing_loss"),
+                        reference.loss("load_balancing_loss")[iterations]) < 1e-4
+    # the routers sent every expert the same tokens (counts summed over the ranks)
+    assert run.loss("tokens per expert") == reference.loss("tokens per expert")[iterations]
+    assert len(re.findall(r"\| peak rss [\d.]+ MiB$", run.output, re.M)) == len(expected)
 
 
 def check_plots(run_dir, run):
@@ -159,3 +165,87 @@ def test_default_auto_measures_then_reads_its_cache(reference, gpt_data, tmp_pat
              if line.startswith("--moe-parm-schedule auto --moe-parm-chunks 0:")]
     assert len(again) == 1 and f"(cached in {cache})" in again[0], second.output[-4000:]
     assert again[0].endswith(f"using {name} with --moe-parm-chunks {chunks}")
+
+
+# --- stages: uneven, dense layers between MoE layers, interleaved 1F1B -----------------------
+
+SEVEN_LAYERS = {"num-layers": 7, "moe-layer-freq": 2}  # MoE layers 1, 3, 5, 7; dense between
+INTERLEAVED = {"pipeline-model-parallel-size": 2, "use-distributed-optimizer": True,
+               "pipeline-model-parallel-layout": "Ett|tt|tt|tL"}  # 2 chunks per rank
+STAGES = {
+    # megatron's uneven first stage: rank 0 holds layers 1-3, rank 1 layers 4-7
+    "pp2_first_stage_3": (2, {"pipeline-model-parallel-size": 2,
+                              "decoder-first-pipeline-num-layers": 3}),
+    # a layout string with repetition: the first stage holds the embedding and one layer
+    "pp4_layout": (4, {"pipeline-model-parallel-size": 4,
+                       "pipeline-model-parallel-layout": "Et|(tt|)*2,ttL"}),
+}
+STAGE_LINES = {
+    "pp2_first_stage_3": ["pipeline layout Ettt|ttttL (2 stages)",
+                          "  PP rank 0: embedding, layers 1-3 (MoE, dense, MoE)",
+                          "  PP rank 1: layers 4-7 (dense, MoE, dense, MoE), loss"],
+    "pp4_layout": ["pipeline layout Et|tt|tt|ttL (4 stages)",
+                   "  PP rank 0: embedding, layer 1 (MoE)",
+                   "  PP rank 1: layers 2-3 (dense, MoE)",
+                   "  PP rank 2: layers 4-5 (dense, MoE)",
+                   "  PP rank 3: layers 6-7 (dense, MoE), loss"],
+}
+
+
+@pytest.fixture(scope="module")
+def seven_layer_reference(gpt_data, tmp_path_factory):
+    run = launch(1, tiny_gpt_args(gpt_data, **SEVEN_LAYERS), tmp_path_factory.mktemp("ref7"))
+    assert run.returncode == 0, run.output[-4000:]
+    for table in run.loss("tokens per expert"):  # only the MoE layers route tokens
+        assert [sum(row) > 0 for row in table] == [True, False] * 3 + [True], table
+    return run
+
+
+@pytest.mark.parametrize("stages", STAGES)
+def test_uneven_stages_train_like_one_rank(stages, seven_layer_reference, gpt_data, tmp_path):
+    nproc, flags = STAGES[stages]
+    run = launch(nproc, tiny_gpt_args(gpt_data, **SEVEN_LAYERS, **flags), tmp_path)
+    assert_trains_like(run, seven_layer_reference)
+    lines = run.output.splitlines()
+    start = lines.index(STAGE_LINES[stages][0])
+    assert lines[start:start + len(STAGE_LINES[stages])] == STAGE_LINES[stages]
+
+
+@pytest.fixture(scope="module")
+def interleaved(gpt_data, tmp_path_factory):
+    """2 virtual stages per rank under PP2, the distributed optimizer over both chunks, a save
+    at iteration 3."""
+    root = tmp_path_factory.mktemp("interleaved")
+    args = tiny_gpt_args(gpt_data, **SEVEN_LAYERS, **INTERLEAVED,
+                         **{"save": root / "ckpt", "save-interval": 3})
+    return root, launch(2, args, root)
+
+
+def test_interleaved_schedule_trains_like_one_rank(interleaved, seven_layer_reference):
+    _, run = interleaved
+    assert_trains_like(run, seven_layer_reference)
+    assert ("pipeline layout Ett|tt|tt|tL (2 stages x 2 virtual stages per rank, interleaved "
+            "1F1B)") in run.output.splitlines()
+    assert "  PP rank 0, virtual stage 1: layers 5-6 (MoE, dense)" in run.output.splitlines()
+
+
+def test_checkpoint_resumes_under_another_stage_layout(interleaved, seven_layer_reference,
+                                                       gpt_data):
+    """Saved with 2 chunks per rank, resumed with one, the first stage holding only the
+    embedding (no MoE layer, no expert parameter: its distributed optimizer for the experts is
+    empty): iterations 4 and 5 are the reference's; the layouts differ, so the RNG streams start
+    afresh, saying why."""
+    root, saved = interleaved
+    assert saved.returncode == 0, saved.output[-4000:]
+    at_3 = root / "at_3"  # the save of iteration 3 alone (the run saved 5 too)
+    at_3.mkdir()
+    (at_3 / "iter_0000003").symlink_to(root / "ckpt" / "iter_0000003")
+    (at_3 / TRACKER).write_text("3")
+    flags = {"pipeline-model-parallel-size": 2, "pipeline-model-parallel-layout": "E|t*7,L",
+             "use-distributed-optimizer": True, "load": at_3}
+    run = launch(2, tiny_gpt_args(gpt_data, **SEVEN_LAYERS, **flags), root)
+    assert f"resumed from {at_3} at iteration 3" in run.output, run.output[-4000:]
+    assert ("RNG streams not restored: the checkpoint was saved under TP1 PP2 DP1 EP1 ESP1 "
+            "stages Ett|tt|tt|tL, this run is TP1 PP2 DP1 EP1 ESP1 stages E|tttttttL"
+            ) in run.output
+    assert_trains_like(run, seven_layer_reference, slice(3, 5))

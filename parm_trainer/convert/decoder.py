@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from parm_trainer.arguments import moe_layer_pattern
+
 
 class NotExportable(ValueError):
     """A model the Hugging Face class cannot express exactly (or the project's model cannot
@@ -119,11 +121,11 @@ class Shape:
 
 
 def shape_of_args(args: dict) -> Shape:
-    freq = args.get("moe_layer_freq") or 1
+    pattern = moe_layer_pattern(args.get("moe_layer_freq") or 1, args["num_layers"])
     return Shape(args["hidden_size"], *heads(args), args["num_experts"],
                  args["moe_ffn_hidden_size"], args.get("ffn_hidden_size") or 0,
                  not args["untie_embeddings_and_output_weights"],
-                 tuple(i % freq == 0 for i in range(args["num_layers"])))
+                 tuple(bool(moe) for moe in pattern))
 
 
 @dataclass(frozen=True)

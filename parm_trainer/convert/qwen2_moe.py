@@ -2,9 +2,9 @@
 
 Qwen2-MoE expresses what Mixtral does not: the router of --moe-router-pre-softmax (the softmax
 over all experts at the top k, not renormalised: norm_topk_prob false; megatron's default
-router is norm_topk_prob true) and dense layers between the MoE layers (--moe-layer-freq F:
-layer i is MoE when i % F == 0, written as mlp_only_layers; a dense layer's MLP has
---ffn-hidden-size). Qwen2-MoE also has what the project's model does not, written so that the
+router is norm_topk_prob true) and dense layers between the MoE layers (--moe-layer-freq F,
+layer i MoE when i % F == 0, or a list of 1s and 0s: written as mlp_only_layers; a dense
+layer's MLP has --ffn-hidden-size). Qwen2-MoE also has what the project's model does not, written so that the
 function is the same: QKV biases (zeros) and a shared expert of width 0
 (shared_expert_intermediate_size 0; its gate weight zeros), so that its output is exactly 0.
 A Qwen2-MoE directory imports only in that form: a real shared expert or a bias is refused.
@@ -12,6 +12,7 @@ A Qwen2-MoE directory imports only in that form: a real shared expert or a bias 
 
 from __future__ import annotations
 
+from parm_trainer.arguments import moe_layer_pattern
 from parm_trainer.convert.decoder import NotExportable, Target, common_flags, heads, rope
 
 CONFIG_CLASS = "Qwen2MoeConfig"
@@ -38,7 +39,7 @@ TARGET = Target(class_name="Qwen2MoeForCausalLM", router="mlp.gate.weight",
 def hf_config(args: dict, vocab_size: int, bos: int, eos: int) -> dict:
     """Qwen2MoeConfig's arguments for the model run.json describes."""
     count, groups, channels = heads(args)
-    freq = args.get("moe_layer_freq") or 1
+    pattern = moe_layer_pattern(args.get("moe_layer_freq") or 1, args["num_layers"])
     return dict(
         vocab_size=vocab_size, hidden_size=args["hidden_size"],
         intermediate_size=args["ffn_hidden_size"], moe_intermediate_size=args["moe_ffn_hidden_size"],
@@ -47,7 +48,7 @@ def hf_config(args: dict, vocab_size: int, bos: int, eos: int) -> dict:
         num_experts=args["num_experts"], num_experts_per_tok=args["moe_router_topk"],
         norm_topk_prob=not args.get("moe_router_pre_softmax"),
         decoder_sparse_step=1,
-        mlp_only_layers=[i for i in range(args["num_layers"]) if i % freq],
+        mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe],
         max_position_embeddings=args["max_position_embeddings"],
         rms_norm_eps=args["norm_epsilon"], **rope(args), qkv_bias=True,
         use_sliding_window=False, sliding_window=None,
@@ -58,17 +59,17 @@ def hf_config(args: dict, vocab_size: int, bos: int, eos: int) -> dict:
     )
 
 
-def _layer_freq(config: dict) -> int:
-    """--moe-layer-freq of a config's MoE layers, or a refusal naming the pattern."""
+def _layer_freq(config: dict):
+    """--moe-layer-freq of a config's MoE layers: N where they are every N-th from layer 0,
+    else the list of 1s (MoE) and 0s (dense) layer by layer."""
     layers = config["num_hidden_layers"]
     step = config.get("decoder_sparse_step") or 1
     dense = set(config.get("mlp_only_layers") or [])
-    moe = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+    moe = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
     for freq in range(1, layers + 1):
-        if moe == list(range(0, layers, freq)):
+        if moe == moe_layer_pattern(freq, layers):
             return freq
-    raise NotExportable(f"MoE layers {moe} of {layers}: the project's MoE layers are every "
-                        f"--moe-layer-freq-th from layer 0")
+    return moe
 
 
 def model_flags(config: dict) -> dict:

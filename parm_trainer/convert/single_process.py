@@ -18,7 +18,12 @@ from parm_trainer.arguments import parse_args
 ONE_RANK = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                 expert_model_parallel_size=1, expert_tensor_parallel_size=1,
                 sequence_parallel=False, use_distributed_optimizer=False, world_size=1,
-                moe_parm_schedule="megatron", distributed_backend="gloo")
+                moe_parm_schedule="megatron", distributed_backend="gloo",
+                # the saved run's stages: one stage holds everything here
+                pipeline_model_parallel_layout=None, decoder_first_pipeline_num_layers=None,
+                decoder_last_pipeline_num_layers=None, num_virtual_stages_per_pipeline_rank=None,
+                num_layers_per_virtual_pipeline_stage=None,
+                virtual_pipeline_model_parallel_size=None, pipeline_stages=None)
 
 
 def one_rank_args(saved_args: dict, **overrides) -> argparse.Namespace:

@@ -10,6 +10,7 @@ with token types, the encoder block, the masked-LM head and the binary (sentence
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
 from megatron.core.models.bert.bert_model import BertModel
 from megatron.core.transformer.enums import AttnMaskType
@@ -20,9 +21,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from parm_trainer.models.gpt import gpt_layer_spec, language_model_kwargs
 
 
-def bert_layer_spec(config: TransformerConfig, args: argparse.Namespace):
+def bert_layer_spec(config: TransformerConfig, args: argparse.Namespace,
+                    vp_stage: Optional[int] = None):
     """GPT's spec (one layer, or a block with MoE layers) with bidirectional, padded attention."""
-    spec = gpt_layer_spec(config, args)
+    spec = gpt_layer_spec(config, args, vp_stage)
     layers = spec.layer_specs if isinstance(spec, TransformerBlockSubmodules) else [spec]
     for layer in layers:
         attention: ModuleSpec = layer.submodules.self_attention
@@ -41,10 +43,11 @@ class MoEBertModel(BertModel):
 
 
 def build_bert_moe(args: argparse.Namespace, config: TransformerConfig, vocab_size: int,
-                   pre_process: bool = True, post_process: bool = True) -> BertModel:
+                   pre_process: bool = True, post_process: bool = True,
+                   vp_stage: Optional[int] = None) -> BertModel:
     return MoEBertModel(
-        transformer_layer_spec=bert_layer_spec(config, args),
+        transformer_layer_spec=bert_layer_spec(config, args, vp_stage),
         # token types (segment A/B) exist only for the sentence-order pairs, as in Megatron-LM
         num_tokentypes=2 if args.bert_binary_head else 0,
         add_binary_head=args.bert_binary_head,
-        **language_model_kwargs(args, config, vocab_size, pre_process, post_process))
+        **language_model_kwargs(args, config, vocab_size, pre_process, post_process, vp_stage))

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from parm_trainer.arguments import moe_layer_pattern
+
 
 def transformer_config(args: argparse.Namespace) -> TransformerConfig:
     on_gpu = torch.cuda.is_available()
@@ -45,6 +47,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         add_bias_linear=not args.disable_bias_linear,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        **pipeline_fields(args),
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         sequence_parallel=args.sequence_parallel,
@@ -69,9 +72,25 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
     )
 
 
+def pipeline_fields(args) -> dict:
+    """The stage flags as Megatron-LM hands them to megatron-core (argument_utils.py): the
+    layout string as given, the uneven end stages, V, and the interleaved schedule's
+    overlapped point-to-point transfers (batched ones elsewhere, as before)."""
+    virtual = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    overlap = bool(virtual) and getattr(args, "overlap_p2p_comm", True)
+    return dict(pipeline_model_parallel_layout=getattr(args, "pipeline_model_parallel_layout",
+                                                       None),
+                num_layers_in_first_pipeline_stage=getattr(
+                    args, "decoder_first_pipeline_num_layers", None),
+                num_layers_in_last_pipeline_stage=getattr(
+                    args, "decoder_last_pipeline_num_layers", None),
+                virtual_pipeline_model_parallel_size=virtual,
+                overlap_p2p_comm=overlap, batch_p2p_comm=not overlap)
+
+
 def num_moe_layers(args) -> int:
-    """Layers i with i % --moe-layer-freq == 0 are MoE (megatron's integer frequency)."""
-    return len(range(0, args.num_layers, args.moe_layer_freq)) if args.num_experts else 0
+    """How many layers are MoE (--moe-layer-freq; none without --num-experts)."""
+    return sum(moe_layer_pattern(args.moe_layer_freq, args.num_layers)) if args.num_experts else 0
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel_size: int, multiple: int = 128) -> int:

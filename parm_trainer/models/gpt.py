@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import Optional
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
@@ -23,13 +24,15 @@ logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(
     lambda record: "Unknown MLP type" not in record.getMessage())
 
 
-def gpt_layer_spec(config: TransformerConfig, args: argparse.Namespace):
-    """Local (no Transformer Engine) spec; MoE layers every --moe-layer-freq layers, run
-    through Parm's schedule unless --moe-parm-schedule megatron."""
+def gpt_layer_spec(config: TransformerConfig, args: argparse.Namespace,
+                   vp_stage: Optional[int] = None):
+    """Local (no Transformer Engine) spec; MoE layers where --moe-layer-freq puts them, run
+    through Parm's schedule unless --moe-parm-schedule megatron. With MoE, the block spec of
+    this pipeline rank's model chunk vp_stage (megatron slices the layers per stage)."""
     if not config.num_moe_experts:
         return get_gpt_layer_local_spec(normalization=args.normalization)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
-                                       normalization=args.normalization)
+                                       normalization=args.normalization, vp_stage=vp_stage)
     if args.moe_parm_schedule != "megatron":
         for layer in block.layer_specs:
             use_parm_moe_layer(layer, args.moe_parm_schedule, args.moe_parm_chunks,
@@ -49,9 +52,11 @@ def use_parm_moe_layer(layer_spec: ModuleSpec, schedule: str, chunks: int,
 
 
 def language_model_kwargs(args: argparse.Namespace, config: TransformerConfig,
-                          vocab_size: int, pre_process: bool, post_process: bool) -> dict:
+                          vocab_size: int, pre_process: bool, post_process: bool,
+                          vp_stage: Optional[int] = None) -> dict:
     """The constructor arguments megatron's GPTModel and BertModel share."""
     return dict(
+        vp_stage=vp_stage,
         config=config,
         vocab_size=vocab_size,
         max_sequence_length=args.max_position_embeddings,
@@ -64,7 +69,10 @@ def language_model_kwargs(args: argparse.Namespace, config: TransformerConfig,
 
 
 def build_gpt_moe(args: argparse.Namespace, config: TransformerConfig, vocab_size: int,
-                  pre_process: bool = True, post_process: bool = True) -> GPTModel:
-    return GPTModel(transformer_layer_spec=gpt_layer_spec(config, args),
+                  pre_process: bool = True, post_process: bool = True,
+                  vp_stage: Optional[int] = None) -> GPTModel:
+    """This pipeline rank's GPT (its model chunk vp_stage under interleaved 1F1B)."""
+    return GPTModel(transformer_layer_spec=gpt_layer_spec(config, args, vp_stage),
                     rotary_base=args.rotary_base,
-                    **language_model_kwargs(args, config, vocab_size, pre_process, post_process))
+                    **language_model_kwargs(args, config, vocab_size, pre_process, post_process,
+                                            vp_stage))

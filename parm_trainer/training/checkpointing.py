@@ -38,6 +38,7 @@ from megatron.core.tensor_parallel import random as mrandom
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 import parm_trainer
+from parm_trainer import parallel
 from parm_trainer.training import faults, watchdog
 from parm_trainer.training.checkpoint_files import (DESCRIPTION, TOKENIZER, TRACKER,  # noqa: F401
                                                    CheckpointError, iteration_dir, iterations,
@@ -51,12 +52,14 @@ _NOT_MODEL = re.compile(r"^(chained_\d+\.)?optimizer\.|^rng_state")
 def layout() -> dict:
     """This run's parallel layout, as the checkpoint records it."""
     ps = parallel_state
-    return {"tp": ps.get_tensor_model_parallel_world_size(),
-            "pp": ps.get_pipeline_model_parallel_world_size(),
-            "dp": ps.get_data_parallel_world_size(),
-            "ep": ps.get_expert_model_parallel_world_size(),
-            "esp": ps.get_expert_tensor_parallel_world_size(),
-            "world": torch.distributed.get_world_size()}
+    sizes = {"tp": ps.get_tensor_model_parallel_world_size(),
+             "pp": ps.get_pipeline_model_parallel_world_size(),
+             "dp": ps.get_data_parallel_world_size(),
+             "ep": ps.get_expert_model_parallel_world_size(),
+             "esp": ps.get_expert_tensor_parallel_world_size(),
+             "world": torch.distributed.get_world_size()}
+    stages = parallel.recorded_pipeline_stages()  # None for megatron's even split
+    return {**sizes, "stages": stages} if stages else sizes
 
 
 def _rng_state() -> ShardedObject:
@@ -98,10 +101,11 @@ def _sharded_state(model, optimizer, scheduler, extra: dict, optimizer_metadata:
     for index, chunk in enumerate(model):
         key = "model" if len(model) == 1 else f"model{index}"
         state[key] = getattr(chunk, "module", chunk).sharded_state_dict()  # without DDP's prefix
-        model_state.update(state[key])
+        model_state[key] = state[key]  # nested: chunks share their local names
     if optimizer_metadata is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(
-            model_state, is_loading=is_loading, metadata=optimizer_metadata)
+        with _step_for_empty_optimizers(optimizer):
+            state["optimizer"] = optimizer.sharded_state_dict(
+                model_state, is_loading=is_loading, metadata=optimizer_metadata)
         state["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:
         state["rng_state"] = _rng_state()
@@ -274,6 +278,25 @@ def _set_adam_state(optimizer, step: int, placeholders: bool) -> None:
 
 
 @contextlib.contextmanager
+def _step_for_empty_optimizers(optimizer):
+    """Without Apex/TE, DistributedOptimizer.state_dict() takes the one Adam step of its
+    parameters' states (distrib_optimizer.py, `assert len(steps) == 1`); a distributed optimizer
+    that holds no parameter on this rank (the expert optimizer of a pipeline stage without MoE
+    layers) has none. Meanwhile its state holds one placeholder with this rank's step, which
+    state_dict() reads and leaves out of what it returns."""
+    step = torch.tensor(float(adam_step(optimizer)))
+    empty = [inner.optimizer for inner in getattr(optimizer, "chained_optimizers", [optimizer])
+             if isinstance(inner, DistributedOptimizer) and not inner.optimizer.state]
+    for adam in empty:
+        adam.state["step placeholder"] = {"step": step}
+    try:
+        yield
+    finally:
+        for adam in empty:
+            adam.state.pop("step placeholder", None)
+
+
+@contextlib.contextmanager
 def _step_kept_apart(optimizer):
     """Without Apex/TE, megatron-core's fully_reshardable load breaks on torch's Adam.
 
@@ -364,7 +387,8 @@ def _misfit(template: dict, path: str) -> Optional[str]:
 def _layout_text(lay: Optional[dict]) -> str:
     if not lay:
         return "an unrecorded layout"
-    return " ".join(f"{k.upper()}{lay[k]}" for k in ("tp", "pp", "dp", "ep", "esp"))
+    return " ".join(f"{k.upper()}{lay[k]}" for k in ("tp", "pp", "dp", "ep", "esp")) + (
+        f" stages {lay['stages']}" if "stages" in lay else "")
 
 
 def _content_metadata(common: dict) -> dict:

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from parm_trainer import pipeline_layout
 from parm_trainer.arguments import ArgumentsError, parse_args
 from parm_trainer.compat import cpu
 from parm_trainer.data.tokenizer import TokenizerError, build_tokenizer
@@ -61,18 +62,27 @@ def initialize(argv=None, extra_args_provider=None, check_inputs=None):
     point's own checks, run with the tokenizer built and before any communication."""
     args = parse_args(argv, extra_args_provider)
     faults.configure()
-    resolve_auto_schedule(args, log=lambda line: _rank() == 0 and print(line, flush=True))
+    resolve_auto_schedule(args, log=_print_rank_0)
     validate_layout(args)
     _check_inputs(args)
     args.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
     args.padded_vocab_size = padded_vocab_size(args.tokenizer.vocab_size,
                                                args.tensor_model_parallel_size)
+    pipeline_layout.resolve_auto(args, _print_rank_0)  # needs the vocabulary's size
+    if args.pipeline_model_parallel_size > 1:
+        for line in pipeline_layout.describe(args):
+            _print_rank_0(line)
     if check_inputs is not None:
         check_inputs(args)
     cpu.apply()
     initialize_distributed(args)
-    tune_at_startup(args, log=lambda line: _rank() == 0 and print(line, flush=True))
+    tune_at_startup(args, log=_print_rank_0)
     return args
+
+
+def _print_rank_0(line: str) -> None:
+    if _rank() == 0:
+        print(line, flush=True)
 
 
 def _rank() -> int:

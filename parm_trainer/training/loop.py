@@ -2,8 +2,9 @@
 
     torchrun --nproc-per-node 4 pretrain_gpt_moe.py --tensor-model-parallel-size 2 ...
 
-One iteration runs megatron's pipeline schedule (no pipelining, or 1F1B with
---pipeline-model-parallel-size > 1) over the global batch's micro-batches, finalises gradients
+One iteration runs megatron's pipeline schedule (no pipelining, 1F1B with
+--pipeline-model-parallel-size > 1, interleaved 1F1B over the model chunks of a rank with
+virtual stages) over the global batch's micro-batches, finalises gradients
 (DP all-reduce, sequence-parallel norms, tied embeddings), checks the loss is finite on every
 rank, then steps the optimizer and the LR schedule.
 """
@@ -55,10 +56,26 @@ def _reduce_losses(losses: list, names: tuple) -> dict:
             for row, name in enumerate(names)}
 
 
-def _moe_losses(num_microbatches: int, moe_layers: int) -> dict:
+def _moe_loss_names() -> list:
+    """The router losses tracked on any pipeline stage, the same list on every rank (asked
+    once): a stage without MoE layers tracks none, yet megatron's reduction all-reduces each
+    one over the pipeline, so that stage must join in with zeros."""
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    local = [name for name in MOE_LOSS_NAMES if name in tracker]
+    group = parallel_state.get_pipeline_model_parallel_group()
+    if torch.distributed.get_world_size(group) == 1:
+        return local
+    gathered = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(gathered, local, group=group)
+    return [name for name in MOE_LOSS_NAMES if any(name in names for names in gathered)]
+
+
+def _moe_losses(num_microbatches: int, moe_layers: int, names: list, num_layers: int) -> dict:
     """Mean over MoE layers of megatron's tracked router losses (unscaled by their coeffs)."""
     tracker = moe_utils.get_moe_layer_wise_logging_tracker()
-    names = [name for name in MOE_LOSS_NAMES if name in tracker]
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    for name in names:  # this stage's share of a loss only other stages' layers have: zeros
+        tracker.setdefault(name, {"values": torch.zeros(num_layers, device=device)})
     if not names:
         return {}
     moe_utils.reduce_aux_losses_tracker_across_ranks(names)
@@ -90,6 +107,7 @@ class Trainer:
         self.datasets = datasets_provider(args, self._num_samples())
         self.logger = MetricsLogger(args, resumed_at=self.iteration)
         self.num_moe_layers = num_moe_layers(args)
+        self.moe_loss_names = None  # _moe_loss_names(), once the routers have run
         self.expert_tokens = (ExpertTokenCounter(self.model, args.num_layers, args.num_experts)
                               if self.num_moe_layers else None)
         self.flops = flops_per_iteration(args)
@@ -119,6 +137,7 @@ class Trainer:
                 a.eval_iters * a.global_batch_size)
 
     def _run_schedule(self, iterator, forward_only: bool):
+        """iterator: one per model chunk (a list) under interleaved 1F1B."""
         a = self.args
         return get_forward_backward_func()(
             forward_step_func=self.forward_step, data_iterator=iterator, model=self.model,
@@ -153,7 +172,10 @@ class Trainer:
         metrics = {**losses, "lr": self.scheduler.get_lr(self.optimizer.param_groups[0]),
                    "grad norm": grad_norm if grad_norm is not None else float("nan")}
         if self.num_moe_layers and report_moe:
-            metrics.update(_moe_losses(self.args.num_microbatches, self.num_moe_layers))
+            if self.moe_loss_names is None:
+                self.moe_loss_names = _moe_loss_names()
+            metrics.update(_moe_losses(self.args.num_microbatches, self.num_moe_layers,
+                                       self.moe_loss_names, self.args.num_layers))
             metrics["tokens per expert"] = self.expert_tokens.collect()
         elif self.num_moe_layers:
             moe_utils.clear_aux_losses_tracker()
@@ -228,14 +250,27 @@ class Trainer:
     def _logs_at(self, iteration: int) -> bool:
         return iteration % self.args.log_interval == 0 or iteration == self.args.train_iters
 
+    def _per_chunk(self, make):
+        """An iterator for the schedule: make()'s, or under interleaved 1F1B one per model
+        chunk, each the same sequence of micro-batches (every chunk's forward step reads the
+        micro-batch it runs, in order)."""
+        iterators = [make() for _ in self.model]
+        return iterators if len(iterators) > 1 else iterators[0]
+
     def train(self):
         a = self.args
         train_ds, valid_ds, _ = self.datasets
-        train_iterator = micro_batch_iterator(train_ds, self.consumed, a.micro_batch_size,
-                                              a.num_workers)
-        if self.timers is not None:
-            train_iterator = run_timers.TimedIterator(train_iterator, self.timers)
-        valid_iterator = cycle(lambda: micro_batch_iterator(valid_ds, 0, a.micro_batch_size))
+
+        def train_batches():
+            batches = micro_batch_iterator(train_ds, self.consumed, a.micro_batch_size,
+                                           a.num_workers)
+            if self.timers is not None:
+                batches = run_timers.TimedIterator(batches, self.timers)
+            return batches
+
+        train_iterator = self._per_chunk(train_batches)
+        valid_iterator = self._per_chunk(
+            lambda: cycle(lambda: micro_batch_iterator(valid_ds, 0, a.micro_batch_size)))
         first = self._validate(valid_iterator, "validation (start)") if a.eval_iters else None
         window_start, window_iters = time.perf_counter(), 0
         while self.iteration < a.train_iters:

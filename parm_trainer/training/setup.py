@@ -1,8 +1,7 @@
-"""Build the model chunk, its DDP wrapper, the megatron optimizer and the LR schedule."""
+"""Build the model chunks, their DDP wrappers, the megatron optimizer and the LR schedule."""
 
 from __future__ import annotations
 
-import argparse
 from typing import Callable
 
 import torch
@@ -15,8 +14,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from parm_trainer.models.init import init_weights_layout_free
 
-# model_provider(args, config, pre_process, post_process) -> megatron module
-ModelProvider = Callable[[argparse.Namespace, TransformerConfig, bool, bool], torch.nn.Module]
+# model_provider(args, config, pre_process, post_process[, vp_stage=i]) -> megatron module;
+# vp_stage is passed under interleaved 1F1B only (as Megatron-LM's get_model does)
+ModelProvider = Callable[..., torch.nn.Module]
 
 
 def mark_expert_params(module: torch.nn.Module) -> int:
@@ -39,13 +39,10 @@ def mark_expert_params(module: torch.nn.Module) -> int:
 
 
 def build_model(args, config: TransformerConfig, model_provider: ModelProvider) -> list:
-    """One model chunk for this pipeline stage, weights drawn layout-free, wrapped in DDP."""
-    module = model_provider(args, config, parallel_state.is_pipeline_first_stage(),
-                            parallel_state.is_pipeline_last_stage())
-    init_weights_layout_free(module, args.seed, args.init_method_std, args.num_layers)
-    mark_expert_params(module)
-    if torch.cuda.is_available():
-        module.cuda(torch.cuda.current_device())
+    """This pipeline rank's model chunks (one, or V under interleaved 1F1B: chunk i is virtual
+    stage i, with the embedding only on rank 0's first and the loss only on the last rank's
+    last), weights drawn layout-free, each wrapped in DDP."""
+    virtual = getattr(args, "virtual_pipeline_model_parallel_size", None)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=args.overlap_grad_reduce,
@@ -53,9 +50,23 @@ def build_model(args, config: TransformerConfig, model_provider: ModelProvider) 
         use_distributed_optimizer=args.use_distributed_optimizer,
         check_for_nan_in_grad=False,  # the loop checks the loss on every rank instead
     )
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
-    model.broadcast_params()
-    return [model]
+    chunks = []
+    for stage in range(virtual or 1):
+        extra = {"vp_stage": stage} if virtual else {}
+        module = model_provider(
+            args, config,
+            parallel_state.is_pipeline_first_stage(ignore_virtual=False, **extra),
+            parallel_state.is_pipeline_last_stage(ignore_virtual=False, **extra), **extra)
+        init_weights_layout_free(module, args.seed, args.init_method_std, args.num_layers)
+        mark_expert_params(module)
+        if torch.cuda.is_available():
+            module.cuda(torch.cuda.current_device())
+        # megatron buckets the first chunk's gradients only (Megatron-LM's get_model)
+        model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
+                                        disable_bucketing=stage > 0)
+        model.broadcast_params()
+        chunks.append(model)
+    return chunks
 
 
 def build_optimizer(args, model: list, timers=None):
@@ -95,4 +106,5 @@ def wire_config(config: TransformerConfig, model: list, optimizer) -> None:
     """The hooks megatron's pipeline schedules call: grad finalisation, loss scale, no_sync."""
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
-    config.no_sync_func = model[0].no_sync
+    config.no_sync_func = ([chunk.no_sync for chunk in model] if len(model) > 1
+                           else model[0].no_sync)

@@ -215,6 +215,11 @@ def _eval_ckpt_log_group(parser):
     g.add_argument("--distrib-optim-fully-reshardable-mem-efficient", action="store_true",
                    help="Gather the optimizer state for a save on data-parallel rank 0 only "
                         "(less memory, a slower save).")
+    g.add_argument("--async-save", action="store_true",
+                   help="Write each save's shards in a forked process while training goes on; "
+                        "the save is finalised (verdict, rename, tracker) at a later iteration "
+                        "once every rank has written, and at the latest before the next save "
+                        "and at the end.")
     g.add_argument("--log-interval", type=int, default=10, help="Log every n iterations.")
     g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=0,
                    help="Per log interval, where an iteration's time goes: 0 nothing timed; 1 "

@@ -1,5 +1,6 @@
 """tools/bench_e2e.py without launches: it reads the training log's ms/iter and tokens/s, drops
-the first logged interval (start-up), and refuses a log with too few intervals."""
+the first logged interval (start-up), and refuses a log with too few intervals; with saves, the
+wall time between logged lines and what each save held training up."""
 
 import importlib.util
 
@@ -27,6 +28,16 @@ def test_intervals_and_run_figure():
         tool.run_figure(rows[:1])
 
 
+def test_wall_figure_and_save_held():
+    assert tool.wall_figure([(5, 10.0), (10, 12.0), (15, 13.5)]) == pytest.approx(350.0)
+    log = ("saved checkpoint runs/x/iter_0000005 in 1.25 s\n"
+           "saving checkpoint runs/x/iter_0000010 in the background (training went on after "
+           "0.40 s)\n"
+           "saved checkpoint runs/x/iter_0000010 in 2.00 s (in the background, finalised at "
+           "iteration 12; training waited 0.55 s)\n")
+    assert tool.save_held(log) == [1.25, 0.55]
+
+
 def test_commands_run_one_node_or_emulated_nodes(tmp_path):
     (tmp_path / "corpus.idx").write_text("")
     (tmp_path / "tok.model").write_text("")
@@ -37,6 +48,12 @@ def test_commands_run_one_node_or_emulated_nodes(tmp_path):
     assert one[1:4] == ["-m", "torch.distributed.run", "--standalone"]
     assert one[one.index("--moe-parm-schedule") + 1] == "s1" and "--sequence-parallel" in one
     assert one[-1] == "--bf16"  # extra flags go last
+    assert "--save" not in one
+    args.save_interval = 5
+    saving = tool.command(args, "s1@async-save", str(tmp_path / "r"))
+    assert saving[saving.index("--save") + 1] == str(tmp_path / "r" / "checkpoints")
+    assert saving[saving.index("--save-interval") + 1] == "5" and "--async-save" in saving
+    args.save_interval = 0
     args.nodes = 2
     two = tool.command(args, "megatron", str(tmp_path / "r"))
     assert two[1].endswith("emulated_cluster.py") and two[two.index("--procs-per-node") + 1] == "2"

@@ -1,5 +1,6 @@
-"""Resume is exact: a 20-iteration run on 4 ranks whose rank 2 is killed at iteration 7 restarts
-(MAX_RESTARTS), resumes from its save at 5 and gives the straight run's losses.
+"""Resume is exact: a 20-iteration run on 4 ranks (saves in the background, --async-save) whose
+rank 2 is killed at iteration 11, while the save of 10 is being written, restarts (MAX_RESTARTS),
+resumes from its save at 5 and gives the straight (synchronously saving) run's losses.
 
 Dropout is on, so the RNG streams must be restored too; the distributed optimizer's state
 goes through dist_checkpointing's resharding format; the data sampler restarts from the saved
@@ -20,10 +21,13 @@ from parm_trainer.training.checkpointing import read_description
 
 
 def test_resume_is_exact_after_a_killed_rank(gpt_data, tmp_path):
-    """Rank 2 is killed (PARM_FAULT) at iteration 7 of a 20-iteration run that saves every 5;
-    under scripts/launch.sh with MAX_RESTARTS=2 every rank restarts, resumes from iteration 5
-    (RNG streams included: dropout is on) and iterations 1-20 give the uninterrupted run's
-    losses."""
+    """Rank 2 is killed (PARM_FAULT) at iteration 11 of a 20-iteration run that saves every 5
+    with --async-save: the save of 10 is still out (a save is finalised at the earliest after
+    the next iteration), so the latest checkpoint is 5, itself written in the background. Under
+    scripts/launch.sh with MAX_RESTARTS=2 every rank restarts, names the unfinished
+    iter_0000010.tmp, resumes from iteration 5 (RNG streams included: dropout is on) and
+    iterations 1-20 give the uninterrupted, synchronously saving run's losses; the saves the
+    restarted job makes are finalised after later iterations, the last one at the end."""
     layout = {"tensor-model-parallel-size": 2, "expert-model-parallel-size": 2,
               "expert-tensor-parallel-size": 2, "sequence-parallel": True,
               "use-distributed-optimizer": True, "hidden-dropout": 0.1,
@@ -38,16 +42,25 @@ def test_resume_is_exact_after_a_killed_rank(gpt_data, tmp_path):
 
     run = subprocess.run(
         ["bash", "scripts/launch.sh", "pretrain_gpt_moe.py",
-         *tiny_gpt_args(gpt_data, **layout, save=ckpt, load=ckpt, **{"log-losses-json": losses})],
+         *tiny_gpt_args(gpt_data, **layout, save=ckpt, load=ckpt,
+                        **{"log-losses-json": losses, "async-save": True})],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**os.environ, "NPROC_PER_NODE": "4", "MASTER_PORT": str(free_port()),
              "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MAX_RESTARTS": "2",
-             "PARM_FAULT": "kill:rank=2:iter=7"})
+             "PARM_FAULT": "kill:rank=2:iter=11"})
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-4000:]
-    assert "PARM_FAULT: rank 2: kill at iteration 7" in output
+    assert "PARM_FAULT: rank 2: kill at iteration 11" in output
+    assert f"saving checkpoint {ckpt / 'iter_0000010'} in the background" in output
+    assert f"ignored {ckpt / 'iter_0000010.tmp'}: left by a save that did not finish" in output
     assert f"resumed from {ckpt} at iteration 5" in output
     assert "RNG streams not restored" not in output
+    finalised = re.findall(r"saved checkpoint \S+iter_00000(\d\d) in \d+\.\d\d s \(in the "
+                           r"background, finalised at iteration (\d+)", output)
+    assert [int(saved) for saved, _ in finalised] == [5, 10, 15, 20], finalised
+    assert all(int(at) > int(saved) for saved, at in finalised[:-1]), finalised
+    assert sorted(os.listdir(ckpt)) == sorted(os.listdir(straight_ckpt))
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "20"
     rows = json.loads(losses.read_text())
     assert [r["iteration"] for r in rows] == list(range(1, 21))
     for step, (a, b) in enumerate(zip(straight.loss(), [r["lm loss"] for r in rows]), start=1):

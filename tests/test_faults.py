@@ -1,9 +1,10 @@
 """Faults survived, injected with PARM_FAULT (parm_trainer/training/faults.py).
 
 A stopped rank ends the whole job within the watchdog's limit, named in one line; a save killed
-at any phase or failing on a full disk leaves the previous checkpoint latest and loadable, and
-the next start names what was left over. (A rank killed mid-run under MAX_RESTARTS:
-test_checkpoint_resume.py; a corrupt latest checkpoint and --ckpt-fallback: test_bad_input.py.)
+at any phase or failing on a full disk (also written in the background, --async-save) leaves
+the previous checkpoint latest and loadable, and the next start names what was left over. (A
+rank killed mid-run under MAX_RESTARTS, during a background save: test_checkpoint_resume.py; a
+corrupt latest checkpoint and --ckpt-fallback: test_bad_input.py.)
 """
 
 import os
@@ -93,7 +94,9 @@ def _mount_tmpfs(path, size_bytes) -> bool:
 
 def test_save_on_a_full_disk_keeps_the_previous_checkpoint(gpt_data, tmp_path):
     """2 ranks save onto a tmpfs with room for one checkpoint and a half: the second save fails
-    on every rank with one line, and the first stays latest and loadable."""
+    on every rank with one line, and the first stays latest and loadable. Then the same with
+    --async-save: the second save's writers fail in the background, and finalising it at the
+    end of training ends every rank with the same one line, the first checkpoint kept."""
     flags = {**MOE, "train-iters": 4, "save-interval": 2}
     probe = launch(2, tiny_gpt_args(gpt_data, **{**flags, "train-iters": 2},
                                     save=tmp_path / "probe"), tmp_path)
@@ -118,5 +121,18 @@ def test_save_on_a_full_disk_keeps_the_previous_checkpoint(gpt_data, tmp_path):
         assert resumed.returncode == 0, resumed.output[-3000:]
         assert f"resumed from {ckpt} at iteration 2" in resumed.output
         assert resumed.loss() == run.loss()[2:3]
+
+        subprocess.run(["rm", "-rf", str(ckpt)], check=True)
+        background = launch(2, tiny_gpt_args(gpt_data, **flags, save=ckpt, **{"async-save": True}),
+                            tmp_path, timeout=120)
+        assert background.returncode != 0
+        assert f"saving checkpoint {ckpt / 'iter_0000004'} in the background" in background.output
+        errors = error_lines(background.output)
+        assert len(errors) == 1, background.output[-3000:]
+        assert "cannot save" in errors[0] and "MiB free" in errors[0], errors
+        assert "]: Traceback" not in background.output
+        assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+        assert sorted(p.name for p in ckpt.iterdir()) == [
+            "iter_0000002", "latest_checkpointed_iteration.txt"]
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)

@@ -13,6 +13,14 @@ change of the machine's speed touches every schedule alike, and each schedule's 
 median over its --runs runs of the mean ms/iter of the logged intervals after the first (the
 first holds the start-up). tokens/s = global batch x sequence / (ms/iter).
 
+--save-interval N: every run saves every N iterations into a directory of its own (removed
+after the run); "wall ms/iter" then shows what the saves cost ("ms/iter" leaves them out, as
+the training log does): the time between the arrival of the first and the last logged
+iteration lines over the iterations between them, everything included; "held s" is the mean
+time training waited per save (`saved checkpoint ... in X s`; with --async-save the start and
+the finalisation, `training waited X s`). "s1/r1,s1/r1@async-save": synchronous against
+background saves. Each row's "x first" is its wall ms/iter over the first row's.
+
 --nodes N runs every launch across N emulated nodes (tools/emulated_cluster.py, as root) with
 --inter-node-bandwidth between them. Extra flags after -- go to pretrain_gpt_moe.py, last.
 Writes --json (every run's figures) and prints a table.
@@ -24,6 +32,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -34,6 +43,8 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 from emulated_cluster import add_node_flags, launch_command  # noqa: E402
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*\| ms/iter ([\d.]+) \| tokens/s ([\d.]+)")
+SAVE_HELD = re.compile(r"^saved checkpoint \S+ in ([\d.]+) s$|training waited ([\d.]+) s\)$",
+                       re.M)
 MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
          "--seq-length", "128", "--max-position-embeddings", "128", "--disable-bias-linear",
          "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256",
@@ -53,6 +64,34 @@ def run_figure(rows: list) -> float:
         raise ValueError(f"need at least 2 logged intervals, got {len(rows)}: raise "
                          "--train-iters or lower --log-interval")
     return statistics.fmean(ms for _, ms, _ in rows[1:])
+
+
+def wall_figure(stamps: list) -> float:
+    """ms per iteration between the first and the last logged line's arrival, [(iteration,
+    seconds)]: whatever the loop did between them (saves, their waits) included."""
+    if len(stamps) < 2:
+        return float("nan")
+    (first, t0), (last, t1) = stamps[0], stamps[-1]
+    return (t1 - t0) / (last - first) * 1e3
+
+
+def save_held(output: str) -> list:
+    """Seconds training waited for each save, from the log."""
+    return [float(sync or background) for sync, background in SAVE_HELD.findall(output)]
+
+
+def run_timed(cmd: list, env: dict) -> tuple:
+    """(exit status, output, [(iteration, arrival seconds)] of the logged iteration lines)."""
+    process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    lines, stamps = [], []
+    for line in process.stdout:
+        now = time.monotonic()
+        lines.append(line)
+        match = LINE.search(line)
+        if match:
+            stamps.append((int(match.group(1)), now))
+    return process.wait(), "".join(lines), stamps
 
 
 def schedule_flags(name: str) -> list:
@@ -87,6 +126,9 @@ def command(args, schedule: str, run_dir: str) -> list:
              os.path.join(run_dir, "data_cache"), *schedule_flags(schedule)]
     if args.tp > 1:
         flags.append("--sequence-parallel")
+    if args.save_interval:
+        flags += ["--save", os.path.join(run_dir, "checkpoints"), "--save-interval",
+                  str(args.save_interval)]
     flags += args.extra
     return launch_command(args.nproc, args.nodes, args.inter_node_bandwidth,
                           os.path.join(run_dir, "nodes"), ["pretrain_gpt_moe.py", *flags])
@@ -111,6 +153,8 @@ def parse(argv):
     p.add_argument("--runs", type=int, default=3, help="runs per schedule (median)")
     p.add_argument("--train-iters", type=int, default=40)
     p.add_argument("--log-interval", type=int, default=10)
+    p.add_argument("--save-interval", type=int, default=0,
+                   help="save every N iterations (each run into its own directory)")
     p.add_argument("--data-path", default="data/demo/corpus_text_document")
     p.add_argument("--tokenizer-model", default="data/demo/tokenizer.model")
     add_node_flags(p)
@@ -129,6 +173,37 @@ def parse(argv):
     return args
 
 
+def _summary(runs: dict, saves: bool) -> dict:
+    """Median figures per row, printed as a table (with saves: wall ms/iter, held s, x first)."""
+    width = max([18] + [len(name) + 2 for name in runs])
+    print(f"\n{'schedule':<{width}}{'ms/iter':>10}{'tokens/s':>10}"
+          + (f"{'wall ms/iter':>14}{'held s':>8}{'x first':>9}  runs (wall ms/iter)" if saves
+             else "  runs (ms/iter)"))
+    summary, first_wall = {}, None
+    for schedule, results in runs.items():
+        ms = statistics.median(x["ms_per_iter"] for x in results)
+        wall = statistics.median(x["wall_ms_per_iter"] for x in results)
+        held = [s for x in results for s in x["save_held_s"]]
+        first_wall = first_wall or wall
+        tokens = round(results[0]["tokens_per_iter"])  # global batch x sequence
+        summary[schedule] = {"ms_per_iter": ms, "tokens_per_s": tokens / ms * 1e3,
+                             "wall_ms_per_iter": wall,
+                             "save_held_s": statistics.fmean(held) if held else None,
+                             "runs": [x["ms_per_iter"] for x in results],
+                             "wall_runs": [x["wall_ms_per_iter"] for x in results],
+                             "chosen": results[0]["chosen"]}
+        name = f"{schedule}={results[0]['chosen']}" if results[0]["chosen"] else schedule
+        line = f"{name:<{width}}{ms:>10.1f}{tokens / ms * 1e3:>10.0f}"
+        if saves:
+            line += (f"{wall:>14.1f}{summary[schedule]['save_held_s'] or 0:>8.2f}"
+                     f"{wall / first_wall:>9.3f}  "
+                     + ", ".join(f"{x['wall_ms_per_iter']:.1f}" for x in results))
+        else:
+            line += "  " + ", ".join(f"{x['ms_per_iter']:.1f}" for x in results)
+        print(line)
+    return summary
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     os.makedirs(args.out_dir, exist_ok=True)
@@ -140,37 +215,32 @@ def main(argv=None) -> int:
         for schedule in order:
             run_dir = os.path.join(args.out_dir, f"{schedule}_{r}")
             start = time.monotonic()
-            done = subprocess.run(command(args, schedule, run_dir), cwd=ROOT, env=env,
-                                  capture_output=True, text=True)
-            output = collect_output(args, run_dir, done.stdout + done.stderr)
-            if done.returncode != 0:
+            returncode, stdout, stamps = run_timed(command(args, schedule, run_dir), env)
+            shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
+            output = collect_output(args, run_dir, stdout)
+            if returncode != 0:
                 print(output[-3000:], file=sys.stderr)
-                print(f"bench_e2e: {schedule} run {r + 1} failed (exit {done.returncode})",
+                print(f"bench_e2e: {schedule} run {r + 1} failed (exit {returncode})",
                       file=sys.stderr)
                 return 1
             rows = intervals(output)
             # auto's choice is printed by rank 0: node 0's output (stdout) across nodes
             chosen = re.search(r"using (s[12])(?: with --moe-parm-chunks (\d+))?",
-                               done.stdout + output)
+                               stdout + output)
+            held = save_held(stdout)
             runs[schedule].append({"ms_per_iter": run_figure(rows), "intervals": rows,
+                                   "wall_ms_per_iter": (wall_figure(stamps) if args.nodes == 1
+                                                        else float("nan")),
+                                   "save_held_s": held,
                                    "tokens_per_iter": rows[-1][1] * rows[-1][2] / 1e3,
                                    "wall_s": time.monotonic() - start,
                                    "chosen": (chosen.group(1) + (f"/r{chosen.group(2)}"
                                                                  if chosen.group(2) else ""))
                                              if chosen else None})
-            print(f"run {r + 1}/{args.runs} {schedule:<10} {runs[schedule][-1]['ms_per_iter']:8.1f}"
-                  f" ms/iter", flush=True)
-    print(f"\n{'schedule':<18}{'ms/iter':>10}{'tokens/s':>10}  runs (ms/iter)")
-    summary = {}
-    for schedule, results in runs.items():
-        ms = statistics.median(x["ms_per_iter"] for x in results)
-        tokens = round(results[0]["tokens_per_iter"])  # global batch x sequence
-        summary[schedule] = {"ms_per_iter": ms, "tokens_per_s": tokens / ms * 1e3,
-                             "runs": [x["ms_per_iter"] for x in results],
-                             "chosen": results[0]["chosen"]}
-        name = f"{schedule}={results[0]['chosen']}" if results[0]["chosen"] else schedule
-        print(f"{name:<18}{ms:>10.1f}{tokens / ms * 1e3:>10.0f}  "
-              + ", ".join(f"{x['ms_per_iter']:.1f}" for x in results))
+            last = runs[schedule][-1]
+            print(f"run {r + 1}/{args.runs} {schedule:<10} {last['ms_per_iter']:8.1f}"
+                  f" ms/iter, wall {last['wall_ms_per_iter']:8.1f}", flush=True)
+    summary = _summary(runs, args.save_interval)
     path = args.json or os.path.join(args.out_dir, "bench_e2e.json")
     with open(path, "w") as f:
         json.dump({"argv": argv if argv is not None else sys.argv[1:], "summary": summary,

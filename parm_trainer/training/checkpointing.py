@@ -15,13 +15,14 @@ checkpoint marked latest and a stray .tmp directory (or a directory newer than t
 that the next start names and the next save removes; a save that fails on any rank (a full
 disk) fails on every rank with one line and leaves the previous checkpoint as it was. With
 --ckpt-fallback a latest checkpoint that cannot be read gives way to the newest one that can.
+With --async-save the shards are written in the background (async_save.py) and the same
+verdict, rename and tracker follow at a later iteration, once every rank has written.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing
 import os
 import re
 import shutil
@@ -39,7 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 import parm_trainer
 from parm_trainer import parallel
-from parm_trainer.training import faults, watchdog
+from parm_trainer.training import async_save, faults, watchdog
 from parm_trainer.training.checkpoint_files import (DESCRIPTION, TOKENIZER, TRACKER,  # noqa: F401
                                                    CheckpointError, iteration_dir, iterations,
                                                    read_description, read_tracker,
@@ -136,39 +137,18 @@ def _write_description(args, iteration: int, directory: str) -> None:
         shutil.copyfile(tokenizer, os.path.join(directory, TOKENIZER))
 
 
-def _results_queue_without_spawn() -> None:
-    """megatron-core's writer reports through a queue of a *spawned* multiprocessing manager
-    (dist_checkpointing/strategies/filesystem_async.py, _get_write_results_queue), made on a
-    process's first save: the spawned process imports the entry script's modules again, which
-    cost 4-10 s per rank on CPU. Saves here are synchronous (the queue is filled and read in
-    this process), so a forked manager, started in milliseconds, serves as well. It dies with
-    this process, also when this one is killed (else an orphan would live on, holding the
-    launcher's output pipe)."""
-    from multiprocessing.managers import SyncManager
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if getattr(filesystem_async, "_results_queue", False) is None:
-        manager = SyncManager(ctx=multiprocessing.get_context("fork"))
-        manager.start(initializer=_die_with_parent)
-        filesystem_async._results_queue = manager.Queue()
-
-
-def _die_with_parent() -> None:
-    """Linux: ask the kernel to SIGKILL this (forked) process when its parent dies."""
-    import ctypes
-    import signal
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-
-
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
-                    consumed_train_samples: int, args) -> tuple:
+                    consumed_train_samples: int, args, background=None) -> tuple:
     """Write SAVE/iter_N whole or not at all; returns (its path, seconds taken).
 
     optimizer None: the weights alone (the converters' checkpoints), which load as a start
-    with a fresh optimizer."""
+    with a fresh optimizer. background (--async-save, an async_save.BackgroundSaves): the
+    previous save is finalised first, this one's shards are written by a forked process while
+    training goes on, and background finalises it later as _finish does here; the seconds
+    returned are then those training waited."""
+    if background is not None:
+        background.wait(iteration, f"before saving iteration {iteration} (a longer "
+                                   f"--save-interval leaves it time)")
     start = time.perf_counter()
     watchdog.beat(iteration, "save (writing)")
     rank = torch.distributed.get_rank()
@@ -187,16 +167,42 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
                                    args.distrib_optim_fully_reshardable_mem_efficient)
     state = _sharded_state(model, optimizer, scheduler, extra, metadata if whole else None,
                            is_loading=False, with_rng=whole)
-    _results_queue_without_spawn()
-    failure = None
+    async_save.results_queue_without_spawn()
+    failure, request = None, None
     try:
-        dist_checkpointing.save(state, tmp, content_metadata=metadata)
-        faults.in_save("write", iteration)
-        if rank == 0:
-            _write_description(args, iteration, tmp)  # after: megatron wants an empty dir
+        request = dist_checkpointing.save(state, tmp, content_metadata=metadata,
+                                          async_sharded_save=background is not None)
     except (OSError, CheckpointException) as error:
         failure = error
+    if background is not None:
+        _agree_saved(failure, tmp, final)  # what was written before the fork
+        finish = lambda finalize_fns: _finish(root, iteration, args, tmp, final,  # noqa: E731
+                                              finalize_fns=finalize_fns)
+        background.start(request, finish, final, iteration, start)
+        faults.in_save("write", iteration)  # while this rank's writer is at work
+        return final, time.perf_counter() - start
+    _finish(root, iteration, args, tmp, final, failure)
+    return final, time.perf_counter() - start
+
+
+def _finish(root: str, iteration: int, args, tmp: str, final: str, failure=None,
+            finalize_fns=None) -> None:
+    """Once every rank has written its shards (or failed: failure): for a background save
+    megatron's finalize_fns (gather the ranks' write results, write the metadata; a synchronous
+    save() ran them), run.json, every rank's verdict; then rank 0 renames tmp to final and
+    moves the tracker."""
+    rank = torch.distributed.get_rank()
     watchdog.beat(iteration, "save (waiting for every rank's shards)")
+    try:
+        for finalize in finalize_fns or ():
+            finalize()
+        if failure is None:
+            if finalize_fns is None:
+                faults.in_save("write", iteration)  # a background save's fired at its start
+            if rank == 0:
+                _write_description(args, iteration, tmp)  # after: megatron wants an empty dir
+    except (OSError, CheckpointException) as error:
+        failure = error
     _agree_saved(failure, tmp, final)
     if rank == 0:
         faults.in_save("rename", iteration)
@@ -205,7 +211,6 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
         replace_tracker(root, iteration, before_replace=lambda: faults.in_save("tracker",
                                                                                iteration))
     torch.distributed.barrier()
-    return final, time.perf_counter() - start
 
 
 def _agree_saved(failure, tmp: str, final: str) -> None:

@@ -11,7 +11,8 @@ cause on purpose (as megatron's FT_SIM_FAULT_DESC), so that tests can check what
     PARM_FAULT="kill:rank=2:iter=7;nan:iter=9" several, separated by ';'
 
 rank defaults to every rank; kill-in-save without iter fires in the first save ("write": once
-this rank's shards are written, the others' perhaps not). A fault fires in the first attempt of
+this rank's shards are written, the others' perhaps not; with --async-save just after this
+rank's background writer started; the later phases when the save is finalised). A fault fires in the first attempt of
 a job (TORCHELASTIC_RESTART_COUNT 0), so a restarted job runs clean, unless it names another
 (attempt=N: in the N-th restart). configure() reads the variable at start-up (a malformed one
 is an error there); unset, every hook is one comparison with None.

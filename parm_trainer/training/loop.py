@@ -23,7 +23,7 @@ from megatron.core.transformer.moe import moe_utils
 
 from parm_trainer.models.config import num_moe_layers, transformer_config
 from parm_trainer.parallel import destroy_distributed
-from parm_trainer.training import checkpointing, faults, memory, watchdog
+from parm_trainer.training import async_save, checkpointing, faults, memory, watchdog
 from parm_trainer.training import timers as run_timers
 from parm_trainer.training.data import cycle, micro_batch_iterator
 from parm_trainer.training.expert_tokens import ExpertTokenCounter, format_expert_tokens
@@ -102,6 +102,8 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(args, self.model, self.timers)
         wire_config(self.config, self.model, self.optimizer)
         self.iteration, self.consumed = 0, 0
+        self.background_saves = (async_save.BackgroundSaves(self._saved, print_rank_0)
+                                 if args.async_save and args.save else None)
         if args.load:
             self._load()
         self.datasets = datasets_provider(args, self._num_samples())
@@ -159,6 +161,7 @@ class Trainer:
         watchdog.beat(self.iteration + 1, "optimizer step")
         for name, loss in losses.items():
             if not math.isfinite(loss):
+                self._finish_saves()  # every rank stops here: the save out is recorded first
                 raise NonFiniteLossError(
                     f"{'loss' if name == 'lm loss' else name} is {loss} at iteration "
                     f"{self.iteration + 1}; no update was applied "
@@ -203,8 +206,21 @@ class Trainer:
         if self.args.save:
             path, seconds = checkpointing.save_checkpoint(
                 self.args.save, self.iteration, self.model, self.optimizer, self.scheduler,
-                self.consumed, self.args)
-            print_rank_0(f"saved checkpoint {path} in {seconds:.2f} s")
+                self.consumed, self.args, background=self.background_saves)
+            if self.background_saves is None:
+                print_rank_0(f"saved checkpoint {path} in {seconds:.2f} s")
+            else:
+                print_rank_0(f"saving checkpoint {path} in the background (training went on "
+                             f"after {seconds:.2f} s)")
+
+    def _saved(self, path: str, seconds: float, held: float, iteration: int):
+        print_rank_0(f"saved checkpoint {path} in {seconds:.2f} s (in the background, finalised "
+                     f"at iteration {iteration}; training waited {held:.2f} s)")
+
+    def _finish_saves(self):
+        """--async-save: wait for the save out and finalise it (every rank calls this)."""
+        if self.background_saves is not None:
+            self.background_saves.wait(self.iteration)
 
     def _log(self, metrics: dict, seconds_per_iter: float, iterations: int):
         a = self.args
@@ -287,6 +303,8 @@ class Trainer:
                 self._log(metrics, (now - window_start) / window_iters, window_iters)
                 window_start, window_iters = now, 0
             paused = time.perf_counter()  # evaluation and saves are not training time
+            if self.background_saves is not None:
+                self.background_saves.poll(self.iteration)  # finalise a save all have written
             if a.eval_iters and self.iteration % a.eval_interval == 0:
                 self._validate(valid_iterator)
             if a.save_interval and self.iteration % a.save_interval == 0:
@@ -301,6 +319,7 @@ class Trainer:
                 valid_iterator, "validation (end)")
         if a.save and not (a.save_interval and self.iteration % a.save_interval == 0):
             self.save()
+        self._finish_saves()
         if first and last:
             print_rank_last(f"validation lm loss: start {first['lm loss']:.4f} -> "
                             f"end {last['lm loss']:.4f}")

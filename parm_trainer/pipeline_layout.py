@@ -55,11 +55,13 @@ def _require(ok: bool, message: str) -> None:
         raise LayoutError(message)
 
 
+STAGE_FLAGS = ("pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers",
+               "decoder_last_pipeline_num_layers", "num_virtual_stages_per_pipeline_rank",
+               "num_layers_per_virtual_pipeline_stage")
+
+
 def _flags(args) -> dict:
-    return {name: getattr(args, name, None) for name in (
-        "pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers",
-        "decoder_last_pipeline_num_layers", "num_virtual_stages_per_pipeline_rank",
-        "num_layers_per_virtual_pipeline_stage")}
+    return {name: getattr(args, name, None) for name in STAGE_FLAGS}
 
 
 def check_pipeline(args: argparse.Namespace) -> None:

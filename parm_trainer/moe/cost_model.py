@@ -195,7 +195,12 @@ class Profile:
         (per byte that crosses, as calibrate_comm fits it) is scaled by the remote share of
         the peers. A ring collective runs at its slowest hop, so all its bytes pay the
         inter-node rate."""
-        share = remote_share(*shape.group(group), self.gpus_per_node)
+        return self.rate(kind, *shape.group(group))
+
+    def rate(self, kind: str, size: int, stride: int = 1) -> tuple:
+        """price() for any group of `size` ranks at `stride` (consecutive groups tiling the
+        ranks)."""
+        share = remote_share(size, stride, self.gpus_per_node)
         alpha, beta = self.collectives[kind]["inter" if share > 0 else "intra"]
         return alpha, beta * share if kind == "alltoall" and share > 0 else beta
 

@@ -27,8 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from parm_trainer.moe.cost_model import (LayerShape, Profile, remote_share, sent_bytes,
-                                         shape_plan, plan_cost)
+from parm_trainer.moe.cost_model import Profile, plan_cost, sent_bytes, shape_plan
 
 
 @dataclass(frozen=True)
@@ -76,10 +75,7 @@ class ModelCost:
     def coll(self, kind: str, nbytes: float, size: int, stride: int = 1) -> float:
         if size < 2:
             return 0.0
-        share = remote_share(size, stride, self.profile.gpus_per_node)
-        alpha, beta = self.profile.collectives[kind]["inter" if share > 0 else "intra"]
-        if kind == "alltoall" and share > 0:
-            beta *= share
+        alpha, beta = self.profile.rate(kind, size, stride)
         return alpha + sent_bytes(kind, int(nbytes), size) * beta
 
     def gemm(self, flops: float) -> float:

@@ -13,6 +13,7 @@ import copy
 from dataclasses import dataclass
 
 from parm_trainer.models.config import padded_vocab_size
+from parm_trainer.pipeline_layout import STAGE_FLAGS
 from parm_trainer.planning.model_cost import ModelCost
 from parm_trainer.planning.stages import (LayoutError, in_flight, layout_string, predict,
                                           split)
@@ -86,6 +87,8 @@ def _trial(args, world, tp, pp, ep, esp, vocab):
     trial.tensor_model_parallel_size, trial.expert_model_parallel_size = tp, ep
     trial.expert_tensor_parallel_size, trial.sequence_parallel = esp, tp > 1
     trial.pipeline_model_parallel_size = 1  # checked here: the builder splits unevenly
+    for name in STAGE_FLAGS:  # the user's own stages: the builder chooses them here
+        setattr(trial, name, None)
     trial.padded_vocab_size = padded_vocab_size(vocab, tp)
     return trial
 

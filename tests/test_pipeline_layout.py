@@ -213,7 +213,7 @@ def test_another_placement_is_another_layout_for_a_checkpoint(monkeypatch):
 
     sizes = {"tp": 1, "pp": 2, "dp": 1, "ep": 1, "esp": 1, "world": 2}
     monkeypatch.setattr(checkpointing, "layout", lambda: {**sizes, "stages": "Ettt|ttttL"})
-    monkeypatch.setattr(checkpointing, "_is_distributed", lambda optimizer: True)
+    monkeypatch.setattr(checkpointing, "is_distributed", lambda optimizer: True)
     saved = {"layout": {**sizes, "stages": "Ett|tt|tt|tL"}, "distributed_optimizer": True}
     monkeypatch.setattr(checkpointing, "_content_metadata",
                         lambda common: {"distrib_optim_sharding_type": "fully_reshardable"})

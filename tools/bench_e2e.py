@@ -38,10 +38,9 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+from parm_trainer.cluster.launch import add_node_flags, launch_command
 
-from emulated_cluster import add_node_flags, launch_command  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*\| ms/iter ([\d.]+) \| tokens/s ([\d.]+)")
 SAVE_HELD = re.compile(r"^saved checkpoint \S+ in ([\d.]+) s$|training waited ([\d.]+) s\)$",
                        re.M)

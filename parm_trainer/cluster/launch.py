@@ -5,8 +5,7 @@ emulated nodes by tools/emulated_cluster.py (as root); and the two flags that ch
     launch_command(4, args.nodes, args.inter_node_bandwidth, "runs/x/nodes",
                    ["tools/bench_moe_layer.py", "--configs", "c.json"])
 
-Used by tools/validate_cost_model.py, tools/bench_sweep.py and tools/bench_e2e.py (through
-tools/emulated_cluster.py, which imports them from here).
+Used by tools/validate_cost_model.py, tools/bench_sweep.py and tools/bench_e2e.py.
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ verdict, rename and tracker follow at a later iteration, once every rank has wri
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -34,13 +33,14 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTensor,
                                                       ShardedTensorFactory)
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel import random as mrandom
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 import parm_trainer
 from parm_trainer import parallel
 from parm_trainer.training import async_save, faults, watchdog
+from parm_trainer.training.optimizer_state import (adam_step, is_distributed, set_adam_state,
+                                                   step_for_empty_optimizers, step_kept_apart)
 from parm_trainer.training.checkpoint_files import (DESCRIPTION, TOKENIZER, TRACKER,  # noqa: F401
                                                    CheckpointError, iteration_dir, iterations,
                                                    read_description, read_tracker,
@@ -104,7 +104,7 @@ def _sharded_state(model, optimizer, scheduler, extra: dict, optimizer_metadata:
         state[key] = getattr(chunk, "module", chunk).sharded_state_dict()  # without DDP's prefix
         model_state[key] = state[key]  # nested: chunks share their local names
     if optimizer_metadata is not None:
-        with _step_for_empty_optimizers(optimizer):
+        with step_for_empty_optimizers(optimizer):
             state["optimizer"] = optimizer.sharded_state_dict(
                 model_state, is_loading=is_loading, metadata=optimizer_metadata)
         state["opt_param_scheduler"] = scheduler.state_dict()
@@ -161,7 +161,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
     whole = optimizer is not None
     extra = {"iteration": iteration, "consumed_train_samples": consumed_train_samples,
              "adam_step": adam_step(optimizer) if whole else 0, "layout": layout(),
-             "distributed_optimizer": _is_distributed(optimizer), "with_optimizer": whole,
+             "distributed_optimizer": is_distributed(optimizer), "with_optimizer": whole,
              "with_rng": whole}
     metadata = _optimizer_metadata(args.dist_ckpt_optim_fully_reshardable,
                                    args.distrib_optim_fully_reshardable_mem_efficient)
@@ -242,100 +242,6 @@ def _rename_over(tmp: str, final: str) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _is_distributed(optimizer) -> bool:
-    return any(isinstance(inner, DistributedOptimizer)
-               for inner in getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _adam_optimizers(optimizer):
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        torch_optimizer = getattr(inner, "optimizer", None)
-        if isinstance(torch_optimizer, torch.optim.Adam):
-            yield torch_optimizer
-
-
-def adam_step(optimizer) -> int:
-    """How many updates Adam has applied (its bias correction depends on it)."""
-    steps = [float(state["step"]) for adam in _adam_optimizers(optimizer)
-             for state in adam.state.values() if "step" in state]
-    return int(max(steps)) if steps else 0
-
-
-def _set_adam_state(optimizer, step: int, placeholders: bool) -> None:
-    """Write Adam's step into every parameter's state, each its own tensor.
-
-    Before a load (placeholders=True) Adam has no state at all, yet
-    DistributedOptimizer.state_dict() asserts one common 'step', so zero moments are put in
-    as placeholders for dist_checkpointing to overwrite. After a load the step is written again:
-    without Apex/TE the distributed optimizer's sharded formats do not restore it (it comes back
-    as the placeholder) and its load_state_dict shares one step tensor between parameters,
-    which torch's Adam would then advance once per parameter per iteration.
-    """
-    for adam in _adam_optimizers(optimizer):
-        for group in adam.param_groups:
-            for param in group["params"]:
-                state = adam.state[param]
-                if placeholders and not state:
-                    state["exp_avg"] = torch.zeros_like(param)
-                    state["exp_avg_sq"] = torch.zeros_like(param)
-                if state:
-                    state["step"] = torch.tensor(float(step))
-
-
-@contextlib.contextmanager
-def _step_for_empty_optimizers(optimizer):
-    """Without Apex/TE, DistributedOptimizer.state_dict() takes the one Adam step of its
-    parameters' states (distrib_optimizer.py, `assert len(steps) == 1`); a distributed optimizer
-    that holds no parameter on this rank (the expert optimizer of a pipeline stage without MoE
-    layers) has none. Meanwhile its state holds one placeholder with this rank's step, which
-    state_dict() reads and leaves out of what it returns."""
-    step = torch.tensor(float(adam_step(optimizer)))
-    empty = [inner.optimizer for inner in getattr(optimizer, "chained_optimizers", [optimizer])
-             if isinstance(inner, DistributedOptimizer) and not inner.optimizer.state]
-    for adam in empty:
-        adam.state["step placeholder"] = {"step": step}
-    try:
-        yield
-    finally:
-        for adam in empty:
-            adam.state.pop("step placeholder", None)
-
-
-@contextlib.contextmanager
-def _step_kept_apart(optimizer):
-    """Without Apex/TE, megatron-core's fully_reshardable load breaks on torch's Adam.
-
-    DistributedOptimizer.load_state_dict first puts a 'step' into every parameter's Adam state
-    (for torch's optimizer), then _set_main_param_and_optimizer_states copies each state tensor
-    of that dict from the checkpoint, which has no 'step': KeyError. While loading, each
-    distributed optimizer copies only the tensors the checkpoint has; _set_adam_state writes
-    the step afterwards.
-    """
-    patched = []
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        original = getattr(inner, "_set_main_param_and_optimizer_states", None)
-        if original is None:
-            continue
-
-        def set_states(model_param, tensors, inner=inner, original=original):
-            group, order = inner.model_param_group_index_map[model_param]
-            state = inner.optimizer.state[inner.optimizer.param_groups[group]["params"][order]]
-            step = state.pop("step", None)
-            try:
-                original(model_param, tensors)
-            finally:
-                if step is not None:
-                    state["step"] = step
-
-        inner._set_main_param_and_optimizer_states = set_states
-        patched.append(inner)
-    try:
-        yield
-    finally:
-        for inner in patched:
-            del inner._set_main_param_and_optimizer_states
-
-
 def _describe(error: BaseException) -> str:
     failures = getattr(error, "failures", None)  # CheckpointException: rank -> exception
     if failures:
@@ -411,7 +317,7 @@ def _what_to_load(common: dict, path: str, optimizer, load_optimizer: bool, load
         load_optimizer = False
         notes.append("the checkpoint holds weights only: the optimizer starts afresh")
     sharding = _content_metadata(common).get("distrib_optim_sharding_type", "dp_reshardable")
-    distributed = _is_distributed(optimizer)
+    distributed = is_distributed(optimizer)
     if load_optimizer and common.get("distributed_optimizer", distributed) != distributed:
         was, is_ = ("with", "without") if not distributed else ("without", "with")
         raise CheckpointError(
@@ -481,7 +387,7 @@ def _load_dir(path: str, model, optimizer, scheduler, load_optimizer: bool, load
     metadata = _content_metadata(common)
     step = int(common.get("adam_step", 0))
     if load_optimizer:
-        _set_adam_state(optimizer, step, placeholders=True)
+        set_adam_state(optimizer, step, placeholders=True)
     template = _sharded_state(model, optimizer, scheduler, {},
                               metadata if load_optimizer else None, is_loading=True,
                               with_rng=with_rng)
@@ -503,9 +409,9 @@ def _load_dir(path: str, model, optimizer, scheduler, load_optimizer: bool, load
     if load_optimizer:
         # In fp32 the distributed optimizer's main params are views of the model's leaf params;
         # its in-place copies need no_grad (with bf16 they are separate fp32 tensors).
-        with torch.no_grad(), _step_kept_apart(optimizer):
+        with torch.no_grad(), step_kept_apart(optimizer):
             optimizer.load_state_dict(loaded["optimizer"])
-        _set_adam_state(optimizer, step, placeholders=False)
+        set_adam_state(optimizer, step, placeholders=False)
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if with_rng:
         _restore_rng(loaded["rng_state"])

@@ -48,6 +48,9 @@ def _model_group(parser):
                    help="Separate input embedding and output layer weights.")
     g.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout after MLP/attention.")
     g.add_argument("--attention-dropout", type=float, default=0.1, help="Attention dropout.")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="Pad the vocabulary to a multiple of lcm(this, MP) (Megatron-LM pads to "
+                        "this x MP, which changes the model with the layout).")
     g.add_argument("--init-method-std", type=float, default=0.02,
                    help="Std of the normal weight init (output projections scaled by 1/sqrt(2L)).")
 
@@ -131,6 +134,16 @@ def _parallel_group(parser):
                    help="Interleaved 1F1B: batch each step's pipeline sends and receives instead "
                         "of overlapping them with compute (needs --pipeline-model-parallel-size "
                         "> 2).")
+    g.add_argument("--memory-gb", type=float, default=None,
+                   help="Per-rank memory (GiB) the layout must fit: the start-up estimate of "
+                        "every pipeline rank is checked against it (a layout over it is refused "
+                        "before training) and --pipeline-model-parallel-layout auto splits "
+                        "within it.")
+    g.add_argument("--memory-probe", action="store_true",
+                   help="Measure this rank's memory in the first iteration (parameter, gradient "
+                        "and optimizer bytes from the tensors; the activations autograd keeps, "
+                        "at their peak over the micro-batches in flight) and log it beside the "
+                        "estimate, max over data-parallel ranks, per pipeline rank. Slow.")
     g.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP size.")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="ESP (expert tensor parallel) size (default: the MP size).")

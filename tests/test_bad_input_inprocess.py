@@ -127,6 +127,13 @@ PRETRAIN_CASES = [
     ("layout_bad_letter", 2, ["--pipeline-model-parallel-size", "2",
                               "--pipeline-model-parallel-layout", "Et|xL"], 1,
      ["'Et|xL': Invalid layer character: x"]),
+    # a memory limit (--memory-gb, per rank) that no layout meets: the given one, and auto's
+    ("memory_limit_not_met", 2, ["--tensor-model-parallel-size", "2", "--memory-gb", "0.001"],
+     1, ["--memory-gb 0.001: this layout needs an estimated 0.01 GiB on pipeline rank 0"]),
+    ("memory_limit_auto_stages", 2, ["--pipeline-model-parallel-size", "2", "--memory-gb",
+                                     "0.001", "--pipeline-model-parallel-layout", "auto"], 1,
+     ["--pipeline-model-parallel-layout auto: no split into 2 stages fits the memory limit of "
+      "0.001 GiB per rank"]),
     ("layout_with_first_stage", 2, ["--pipeline-model-parallel-size", "2",
                                     "--pipeline-model-parallel-layout", "Et|tL",
                                     "--decoder-first-pipeline-num-layers", "1"], 1,

@@ -17,8 +17,8 @@ from test_units import build_tiny, one_rank_world  # noqa: F401 (fixture)
 
 from parm_trainer.moe.cost_model import DEFAULT_PROFILE, Profile
 from parm_trainer.planning.model_cost import ModelCost, Piece, moe_layers
-from parm_trainer.planning.stages import (LayoutError, auto_layout, even_split, layout_string,
-                                          predict, split)
+from parm_trainer.planning.stages import (LayoutError, auto_layout, even_split, in_flight,
+                                          layout_string, live_micro_batches, predict, split)
 
 
 def _pieces(times, kinds=None):
@@ -28,7 +28,7 @@ def _pieces(times, kinds=None):
 
 class _Flat:
     """A ModelCost stand-in for split(): 8 bytes of state per parameter."""
-    def state_bytes(self, params):
+    def state_bytes(self, params, expert_params=0.0):
         return 8 * params
 
 
@@ -54,6 +54,23 @@ def test_split_respects_the_memory_limit_and_says_when_nothing_fits():
         split(pieces, 2, _Flat(), memory_limit_bytes=9 * 2)
     with pytest.raises(LayoutError, match="at most one stage per piece"):
         split(pieces, 7, _Flat())
+
+
+@pytest.mark.parametrize("pp,vp,m", [(2, 1, 8), (4, 1, 3), (2, 2, 4), (4, 2, 8), (2, 3, 6)])
+def test_micro_batches_in_flight_follow_megatrons_schedule(pp, vp, m):
+    """1F1B: stage k holds min(m, P - k); interleaved: every forward of the schedule table is
+    run once and released by the end, and rank 0 (the longest warm-up) holds the most. The
+    peaks are measured in training by --memory-probe (test_training_layouts)."""
+    if vp == 1:
+        assert in_flight(pp, vp, m) == [min(m, pp - k) for k in range(pp)]
+    peaks = []
+    for rank in range(pp):
+        snaps = live_micro_batches(pp, vp, m, rank)
+        assert len(snaps) == m * vp and all(0 <= n <= m for snap in snaps for n in snap)
+        peaks.append(max(sum(snap) for snap in snaps))
+    assert peaks == sorted(peaks, reverse=True) and peaks[0] <= m * vp
+    if vp > 1:  # megatron's warm-up: (P - 1) x 2 + (V - 1) x P forwards, then one more
+        assert peaks[0] == min(m * vp, (pp - 1) * 2 + (vp - 1) * pp + 1)
 
 
 def test_layout_strings_are_megatrons():

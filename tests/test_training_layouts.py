@@ -35,8 +35,11 @@ LAYOUTS = {
                                      "expert-model-parallel-size": 2, "moe-parm-chunks": 2,
                                      "moe-parm-schedule": "s1", "timing-log-level": 2}),
     # ESP differs from MP with EP=1: expert grads must be summed over the expert-DP group
+    # ... and the distributed optimizer shards the experts' state over that group, the dense
+    # state over DP (both in the memory estimate, checked against the probe)
     "tp2_esp1": (2, {"tensor-model-parallel-size": 2, "expert-tensor-parallel-size": 1,
-                     "sequence-parallel": True}),
+                     "sequence-parallel": True, "use-distributed-optimizer": True,
+                     "memory-probe": True}),
     "pp2": (2, {"pipeline-model-parallel-size": 2, "timing-log-level": 2,
                 "timing-log-option": "max"}),
 }
@@ -55,6 +58,8 @@ def test_first_five_losses_match_single_rank(layout, reference, gpt_data, tmp_pa
     extra = {"tensorboard-dir": tmp_path / "tensorboard"} if "timing-log-level" in flags else {}
     run = launch(nproc, tiny_gpt_args(gpt_data, **flags, **extra), tmp_path)
     assert_trains_like(run, reference)
+    if "memory-probe" in flags:
+        assert_memory_as_estimated(run, stages=1)
     if "timing-log-level" in flags:
         check_timing_report(run.output, flags)
         check_plots(tmp_path, run)
@@ -71,7 +76,24 @@ def assert_trains_like(run, reference, iterations=slice(0, 5)):
                         reference.loss("load_balancing_loss")[iterations]) < 1e-4
     # the routers sent every expert the same tokens (counts summed over the ranks)
     assert run.loss("tokens per expert") == reference.loss("tokens per expert")[iterations]
-    assert len(re.findall(r"\| peak rss [\d.]+ MiB$", run.output, re.M)) == len(expected)
+    assert len(re.findall(r"\| peak rss [\d.]+ MiB \(estimate [\d.]+ MiB \+ the framework.s own\)$",
+                          run.output, re.M)) == len(expected)
+
+
+def assert_memory_as_estimated(run, stages: int) -> None:
+    """--memory-probe: each pipeline rank's parameter and gradient, optimizer and activation
+    bytes, counted from the tensors (activations: saved_tensors_hooks, at their peak over the
+    micro-batches in flight), against the start-up estimate: each part within 10 %, the total
+    within 15 %."""
+    lines = re.findall(r"^  PP rank (\d+): weights and gradients ([\d.]+) MiB, optimizer "
+                       r"([\d.]+) MiB, activations ([\d.]+) MiB \(estimate ([\d.]+), ([\d.]+), "
+                       r"([\d.]+)\)$", run.output, re.M)
+    assert [int(rank) for rank, *_ in lines] == list(range(stages)), run.output[-4000:]
+    for rank, *figures in lines:
+        measured, estimated = [float(x) for x in figures[:3]], [float(x) for x in figures[3:]]
+        for part, (m, e) in enumerate(zip(measured, estimated)):
+            assert e == pytest.approx(m, rel=0.10), (rank, part, measured, estimated)
+        assert sum(estimated) == pytest.approx(sum(measured), rel=0.15)
 
 
 def check_plots(run_dir, run):
@@ -175,10 +197,10 @@ INTERLEAVED = {"pipeline-model-parallel-size": 2, "use-distributed-optimizer": T
 STAGES = {
     # megatron's uneven first stage: rank 0 holds layers 1-3, rank 1 layers 4-7
     "pp2_first_stage_3": (2, {"pipeline-model-parallel-size": 2,
-                              "decoder-first-pipeline-num-layers": 3}),
+                              "decoder-first-pipeline-num-layers": 3, "memory-probe": True}),
     # a layout string with repetition: the first stage holds the embedding and one layer
     "pp4_layout": (4, {"pipeline-model-parallel-size": 4,
-                       "pipeline-model-parallel-layout": "Et|(tt|)*2,ttL"}),
+                       "pipeline-model-parallel-layout": "Et|(tt|)*2,ttL", "memory-probe": True}),
 }
 STAGE_LINES = {
     "pp2_first_stage_3": ["pipeline layout Ettt|ttttL (2 stages)",
@@ -206,6 +228,7 @@ def test_uneven_stages_train_like_one_rank(stages, seven_layer_reference, gpt_da
     nproc, flags = STAGES[stages]
     run = launch(nproc, tiny_gpt_args(gpt_data, **SEVEN_LAYERS, **flags), tmp_path)
     assert_trains_like(run, seven_layer_reference)
+    assert_memory_as_estimated(run, stages=flags["pipeline-model-parallel-size"])
     lines = run.output.splitlines()
     start = lines.index(STAGE_LINES[stages][0])
     assert lines[start:start + len(STAGE_LINES[stages])] == STAGE_LINES[stages]
@@ -217,7 +240,7 @@ def interleaved(gpt_data, tmp_path_factory):
     at iteration 3."""
     root = tmp_path_factory.mktemp("interleaved")
     args = tiny_gpt_args(gpt_data, **SEVEN_LAYERS, **INTERLEAVED,
-                         **{"save": root / "ckpt", "save-interval": 3})
+                         **{"save": root / "ckpt", "save-interval": 3, "memory-probe": True})
     return root, launch(2, args, root)
 
 
@@ -227,6 +250,7 @@ def test_interleaved_schedule_trains_like_one_rank(interleaved, seven_layer_refe
     assert ("pipeline layout Ett|tt|tt|tL (2 stages x 2 virtual stages per rank, interleaved "
             "1F1B)") in run.output.splitlines()
     assert "  PP rank 0, virtual stage 1: layers 5-6 (MoE, dense)" in run.output.splitlines()
+    assert_memory_as_estimated(run, stages=2)  # the chunks' peak over the interleaved schedule
 
 
 def test_checkpoint_resumes_under_another_stage_layout(interleaved, seven_layer_reference,

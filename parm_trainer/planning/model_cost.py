@@ -237,10 +237,15 @@ class ModelCost:
         optimizer = self.traffic(params * 32)  # fp32 weight, grad, two moments: read + write
         return dense + experts + optimizer
 
-    def state_bytes(self, params: float) -> float:
-        """Parameters, gradients and optimizer state of params on this rank."""
+    def state_bytes(self, params: float, expert_params: float = 0.0) -> float:
+        """Parameters, gradients and optimizer state of params (expert_params of them in
+        experts) on this rank; the distributed optimizer shards the dense ones' state over DP,
+        the experts' over the expert-data-parallel group."""
         a = self.args
         optimizer = 12 if a.bf16 else 8  # (fp32 copy) + two Adam moments
+        dense, experts = params - expert_params, expert_params
         if getattr(a, "use_distributed_optimizer", False):
-            optimizer /= self.dp
-        return params * (self.e + 4 + optimizer)
+            edp = a.world_size // (a.expert_model_parallel_size * a.expert_tensor_parallel_size
+                                   * self.pp)
+            dense, experts = dense / self.dp, experts / max(1, edp)
+        return params * (self.e + 4) + (dense + experts) * optimizer

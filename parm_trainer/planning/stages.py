@@ -7,7 +7,8 @@ E or only L, as in megatron's own layouts). Dynamic programming over the split p
 PipeDream and Alpa partition: best[k][j] = the smallest possible largest stage time when the
 first j pieces form k stages, each stage under an optional memory limit (its parameters,
 gradients and optimizer state plus the activations of the micro-batches it holds in flight:
-P - k under 1F1B for stage k; every chunk of an interleaved rank counted at P). With V virtual
+P - k under 1F1B for stage k; for an interleaved rank each chunk at its most, from megatron's
+schedule table; predict() takes the peak of their sum over the schedule). With V virtual
 stages per rank (interleaved 1F1B) the pieces are split into P x V chunks the same way;
 megatron places chunk c on rank c mod P.
 
@@ -66,8 +67,9 @@ def split(pieces: list, stages: int, cost: ModelCost, in_flight: list = None,
 
     def memory(i, j, k):
         run = pieces[i:j]
-        params, _ = _stage_params(run, tied)
-        return cost.state_bytes(params) + in_flight[k] * sum(p.activation_bytes for p in run)
+        params, experts = _stage_params(run, tied)
+        return cost.state_bytes(params, experts) + in_flight[k] * sum(p.activation_bytes
+                                                                      for p in run)
 
     inf = math.inf
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
@@ -85,7 +87,7 @@ def split(pieces: list, stages: int, cost: ModelCost, in_flight: list = None,
                     best[k][j], cut[k][j] = value, i
     if best[stages][n] == inf:
         raise LayoutError(f"no split into {stages} stages fits the memory limit of "
-                          f"{memory_limit_bytes / 2**30:.2f} GiB per rank")
+                          f"{memory_limit_bytes / 2**30:.3g} GiB per rank")
     runs, j = [], n
     for k in range(stages, 0, -1):
         i = cut[k][j]
@@ -112,18 +114,44 @@ def layout_string(runs: list) -> str:
     return "|".join("".join({"E": "E", "L": "L"}.get(p.kind, "t") for p in run) for run in runs)
 
 
-def in_flight(pp: int, vp: int, microbatches: int) -> list:
-    """Micro-batches whose activations a chunk holds at once under (interleaved) 1F1B."""
+def live_micro_batches(pp: int, vp: int, microbatches: int, rank: int) -> list:
+    """The micro-batches each of `rank`'s vp chunks holds (forward run, backward not yet) after
+    every forward step of megatron-core's schedule: 1F1B's P - rank - 1 warm-up forwards, or,
+    interleaved, (P - rank - 1) x 2 + (V - 1) x P of them in the order of its schedule table
+    (groups of P micro-batches, chunk by chunk; the backward mirrors the chunks), then one
+    forward and one backward at a time, then the remaining backwards."""
+    total = microbatches * vp
     if vp == 1:
-        return [min(microbatches, pp - k) for k in range(pp)]
-    return [min(microbatches, pp)] * (pp * vp)
+        order = [0] * microbatches
+        warmup = min(pp - rank - 1, total)
+    else:
+        order = []  # megatron's get_schedule_table: the last group takes what is left
+        for start in range(0, microbatches, pp):
+            group = microbatches - start if start + pp >= microbatches else pp
+            order += [chunk for chunk in range(vp) for _ in range(group)]
+        warmup = min((pp - rank - 1) * 2 + (vp - 1) * pp, total)
+    live, snapshots, backward = [0] * vp, [], 0
+    for step in range(total):
+        live[order[step]] += 1
+        snapshots.append(list(live))
+        if step >= warmup:
+            live[vp - 1 - order[backward]] -= 1
+            backward += 1
+    return snapshots
+
+
+def in_flight(pp: int, vp: int, microbatches: int) -> list:
+    """Per chunk (megatron's order: chunk c on rank c mod P), the most micro-batches it holds
+    at once (P - k on stage k under 1F1B)."""
+    return [max(snap[c // pp] for snap in live_micro_batches(pp, vp, microbatches, c % pp))
+            for c in range(pp * vp)]
 
 
 def predict(runs: list, cost: ModelCost, pp: int, vp: int, microbatches: int,
             tied: bool = True) -> dict:
-    """Per rank and per iteration: {"ranks": [{time_s, memory_bytes, sync_s}], "iteration_s"}."""
-    flight = in_flight(pp, vp, microbatches)
-    ranks = [{"time_s": 0.0, "memory_bytes": 0.0, "params": 0.0, "expert_params": 0.0}
+    """Per rank and per iteration: {"ranks": [{time_s, memory_bytes (= state_bytes +
+    activation_bytes), params, expert_params, sync_s}], "iteration_s"}."""
+    ranks = [{"time_s": 0.0, "activation_bytes": 0.0, "params": 0.0, "expert_params": 0.0}
              for _ in range(pp)]
     p2p = cost.p2p_s()
     for c, run in enumerate(runs):
@@ -133,9 +161,12 @@ def predict(runs: list, cost: ModelCost, pp: int, vp: int, microbatches: int,
         params, experts = _stage_params(run, tied)
         rank["params"] += params
         rank["expert_params"] += experts
-        rank["memory_bytes"] += flight[c] * sum(p.activation_bytes for p in run)
-    for rank in ranks:
-        rank["memory_bytes"] += cost.state_bytes(rank["params"])
+    for r, rank in enumerate(ranks):  # the peak over the schedule of the chunks' live sum
+        per_chunk = [sum(p.activation_bytes for p in runs[v * pp + r]) for v in range(vp)]
+        rank["activation_bytes"] = max(sum(n * b for n, b in zip(snap, per_chunk))
+                                       for snap in live_micro_batches(pp, vp, microbatches, r))
+        rank["state_bytes"] = cost.state_bytes(rank["params"], rank["expert_params"])
+        rank["memory_bytes"] = rank["state_bytes"] + rank["activation_bytes"]
         rank["sync_s"] = cost.gradient_sync_s(rank["params"], rank["expert_params"])
     slowest = max(r["time_s"] for r in ranks)
     iteration = (microbatches + (pp - 1) / vp) * slowest + max(r["sync_s"] for r in ranks)
@@ -155,7 +186,9 @@ def auto_layout(args, log=print) -> str:
     vp = getattr(args, "num_virtual_stages_per_pipeline_rank", None) or 1
     microbatches = args.global_batch_size // (args.micro_batch_size * cost.dp)
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
-    runs = split(pieces, pp * vp, cost, in_flight(pp, vp, microbatches), tied=tied)
+    limit = args.memory_gb * 2**30 if getattr(args, "memory_gb", None) else None
+    runs = split(pieces, pp * vp, cost, in_flight(pp, vp, microbatches),
+                 memory_limit_bytes=limit, tied=tied)
     layout = layout_string(runs)
     result = predict(runs, cost, pp, vp, microbatches, tied)
     source = args.moe_parm_cost_profile or f"the built-in default profile ({profile.description})"

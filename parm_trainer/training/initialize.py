@@ -67,17 +67,41 @@ def initialize(argv=None, extra_args_provider=None, check_inputs=None):
     _check_inputs(args)
     args.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
     args.padded_vocab_size = padded_vocab_size(args.tokenizer.vocab_size,
-                                               args.tensor_model_parallel_size)
+                                               args.tensor_model_parallel_size,
+                                               args.make_vocab_size_divisible_by)
     pipeline_layout.resolve_auto(args, _print_rank_0)  # needs the vocabulary's size
     if args.pipeline_model_parallel_size > 1:
         for line in pipeline_layout.describe(args):
             _print_rank_0(line)
+    report_memory(args)
     if check_inputs is not None:
         check_inputs(args)
     cpu.apply()
     initialize_distributed(args)
     tune_at_startup(args, log=_print_rank_0)
     return args
+
+
+def report_memory(args) -> None:
+    """The start-up memory estimate per pipeline rank (args.memory_estimate_mib, and its parts
+    in args.memory_estimate_parts), checked
+    against --memory-gb on every rank before any communication."""
+    from parm_trainer.planning.memory_estimate import MIB, describe, estimate
+
+    ranks = estimate(args)
+    for line in describe(ranks):
+        _print_rank_0(line)
+    args.memory_estimate_mib = [rank["total"] / MIB for rank in ranks]
+    args.memory_estimate_parts = ranks
+    if args.memory_gb:
+        worst = max(range(len(ranks)), key=lambda r: ranks[r]["total"])
+        need = ranks[worst]["total"] / 2**30
+        if need > args.memory_gb:
+            raise LayoutError(
+                f"--memory-gb {args.memory_gb:g}: this layout needs an estimated {need:.2f} GiB "
+                f"on pipeline rank {worst} (see the memory estimate above); use more model, "
+                "expert or pipeline parallelism, a smaller micro-batch, "
+                "--use-distributed-optimizer, or --pipeline-model-parallel-layout auto")
 
 
 def _print_rank_0(line: str) -> None:

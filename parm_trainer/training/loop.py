@@ -11,6 +11,7 @@ rank, then steps the optimizer and the LR schedule.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Callable
@@ -23,7 +24,7 @@ from megatron.core.transformer.moe import moe_utils
 
 from parm_trainer.models.config import num_moe_layers, transformer_config
 from parm_trainer.parallel import destroy_distributed
-from parm_trainer.training import async_save, checkpointing, faults, memory, watchdog
+from parm_trainer.training import async_save, checkpointing, faults, memory, memory_probe, watchdog
 from parm_trainer.training import timers as run_timers
 from parm_trainer.training.data import cycle, micro_batch_iterator
 from parm_trainer.training.expert_tokens import ExpertTokenCounter, format_expert_tokens
@@ -101,7 +102,7 @@ class Trainer:
         self.model = build_model(args, self.config, model_provider)
         self.optimizer, self.scheduler = build_optimizer(args, self.model, self.timers)
         wire_config(self.config, self.model, self.optimizer)
-        self.iteration, self.consumed = 0, 0
+        self.iteration, self.consumed, self.probed = 0, 0, False
         self.background_saves = (async_save.BackgroundSaves(self._saved, print_rank_0)
                                  if args.async_save and args.save else None)
         if args.load:
@@ -113,6 +114,9 @@ class Trainer:
         self.expert_tokens = (ExpertTokenCounter(self.model, args.num_layers, args.num_experts)
                               if self.num_moe_layers else None)
         self.flops = flops_per_iteration(args)
+        estimate = getattr(args, "memory_estimate_mib", None)  # initialize.report_memory's
+        self._estimate = (f" (estimate {max(estimate):.1f} MiB + the framework's own)"
+                          if estimate else "")
 
     def _load(self):
         args = self.args
@@ -128,7 +132,7 @@ class Trainer:
         if args.finetune:
             print_rank_0(f"finetuning from the weights of {args.load} (iteration "
                          f"{self.iteration}), starting at iteration 0")
-            self.iteration, self.consumed = 0, 0
+            self.iteration, self.consumed, self.probed = 0, 0, False
         else:
             print_rank_0(f"resumed from {args.load} at iteration {self.iteration}")
 
@@ -154,8 +158,11 @@ class Trainer:
         self.optimizer.zero_grad()
         faults.at_iteration(self.iteration + 1)
         watchdog.beat(self.iteration + 1, "forward-backward")
-        losses = _reduce_losses(self._run_schedule(iterator, forward_only=False),
-                                self.loss_names)
+        probe = (memory_probe.SavedActivations(self.model)
+                 if self.args.memory_probe and not self.probed else contextlib.nullcontext())
+        with probe:
+            schedule_losses = self._run_schedule(iterator, forward_only=False)
+        losses = _reduce_losses(schedule_losses, self.loss_names)
         if faults.nan_at(self.iteration + 1):
             losses["lm loss"] = float("nan")
         watchdog.beat(self.iteration + 1, "optimizer step")
@@ -172,6 +179,11 @@ class Trainer:
         if self.timers is not None:
             self.timers("optimizer").stop()
         self.scheduler.step(increment=1)
+        if self.args.memory_probe and not self.probed:
+            self.probed = True
+            for line in memory_probe.report(self.args, self.model, self.optimizer,
+                                            probe.peak_bytes):
+                print_rank_0(line)
         metrics = {**losses, "lr": self.scheduler.get_lr(self.optimizer.param_groups[0]),
                    "grad norm": grad_norm if grad_norm is not None else float("nan")}
         if self.num_moe_layers and report_moe:
@@ -238,7 +250,7 @@ class Trainer:
             f"lr {metrics['lr']:.3e} | grad norm {metrics['grad norm']:.3f}{extra} | "
             f"ms/iter {seconds_per_iter * 1e3:.1f} | tokens/s {tokens_per_s:.0f} | "
             f"TFLOP/s/device {tflops:.4f} | ETA {eta / 60:.1f} min | "
-            f"peak {memory.KIND} {peak_mib:.1f} MiB")
+            f"peak {memory.KIND} {peak_mib:.1f} MiB{self._estimate}")
         if report:
             print_rank_last(run_timers.format_report(report, a.timing_log_option))
         if "tokens per expert" in metrics:

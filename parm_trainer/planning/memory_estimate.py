@@ -1,0 +1,79 @@
+"""The start-up memory estimate per rank (Megatron-LM's --report-theoretical-memory, right for
+MoE): what each pipeline rank holds for its own stage, from the whole-model cost model.
+
+    for line in describe(estimate(args)): print(line)
+
+Per pipeline rank (its chunks under the run's layout, args.pipeline_stages):
+  weights and gradients  the parameters this rank holds (dense ones / MP, experts / (EP x ESP),
+                         the word embedding once where E and L share a stage) in the model's
+                         dtype, and their fp32 gradient buffer (megatron's DDP)
+  optimizer              Adam's two fp32 moments (and an fp32 copy under bf16), over DP with
+                         --use-distributed-optimizer
+  activations            what autograd saves per micro-batch (top-k expert rows included), times
+                         the micro-batches each chunk holds in flight under 1F1B (P - k on stage k;
+                         P on every chunk of an interleaved rank)
+  dispatch buffers       one MoE layer's exchange at a time: the rows it sends and receives
+                         (transient, not saved)
+The same numbers the stage builder splits by under --memory-gb (stages.predict). They leave out
+the framework itself (CUDA context, allocator caching, on CPU the interpreter and libraries).
+"""
+
+from __future__ import annotations
+
+from parm_trainer.moe.cost_model import DEFAULT_PROFILE
+from parm_trainer.planning.model_cost import ModelCost
+from parm_trainer.planning.stages import in_flight, predict
+
+MIB = 2 ** 20
+
+
+def stage_runs(args, pieces: list) -> list:
+    """The pieces of each model chunk, in megatron's chunk order, under the run's layout."""
+    from parm_trainer.pipeline_layout import chunks_of
+
+    pp = args.pipeline_model_parallel_size
+    stages = getattr(args, "pipeline_stages", None) or "E" + "t" * args.num_layers + "L"
+    runs = []
+    for chunk in chunks_of(stages, pp):
+        run = [pieces[0]] if chunk.embedding else []
+        run += [pieces[1 + layer] for layer in chunk.layers]
+        runs.append(run + ([pieces[-1]] if chunk.loss else []))
+    return runs
+
+
+def estimate(args, profile=None) -> list:
+    """Per pipeline rank: {"weights_grads", "optimizer", "activations", "in_flight",
+    "dispatch", "total"} in bytes."""
+    cost = ModelCost(args, profile or DEFAULT_PROFILE, moe_schedule=("s1", 1))
+    runs = stage_runs(args, cost.pieces())
+    pp = args.pipeline_model_parallel_size
+    vp = len(runs) // pp
+    microbatches = max(1, args.global_batch_size // (args.micro_batch_size * cost.dp))
+    tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+    ranks = predict(runs, cost, pp, vp, microbatches, tied)["ranks"]
+    flight = in_flight(pp, vp, microbatches)
+    rows = cost.n * (args.moe_router_topk or 0) * (args.expert_tensor_parallel_size or 1) / cost.tp
+    out = []
+    for r, rank in enumerate(ranks):
+        moe = any(p.kind == "m" for c, run in enumerate(runs) if c % pp == r for p in run)
+        weights_grads = rank["params"] * (cost.e + 4)
+        entry = {"weights_grads": weights_grads,
+                 "optimizer": rank["state_bytes"] - weights_grads,
+                 "activations": rank["activation_bytes"],
+                 "in_flight": max(flight[c] for c in range(r, len(runs), pp)),
+                 "dispatch": 2 * rows * args.hidden_size * cost.e if moe else 0.0}
+        entry["total"] = rank["memory_bytes"] + entry["dispatch"]
+        out.append(entry)
+    return out
+
+
+def describe(ranks: list) -> list:
+    """Log lines: one per pipeline rank."""
+    lines = ["memory estimate per rank (theoretical; the framework's own memory comes on top):"]
+    for r, e in enumerate(ranks):
+        where = f"  PP rank {r}: " if len(ranks) > 1 else "  "
+        lines.append(f"{where}{e['total'] / MIB:.1f} MiB = weights and gradients "
+                     f"{e['weights_grads'] / MIB:.1f} + optimizer {e['optimizer'] / MIB:.1f} + "
+                     f"activations {e['activations'] / MIB:.1f} ({e['in_flight']} micro-batches "
+                     f"in flight) + MoE dispatch buffers {e['dispatch'] / MIB:.1f}")
+    return lines

@@ -1,6 +1,7 @@
-"""tools/bench_e2e.py without launches: it reads the training log's ms/iter and tokens/s, drops
-the first logged interval (start-up), and refuses a log with too few intervals; with saves, the
-wall time between logged lines and what each save held training up."""
+"""tools/bench_e2e.py and tools/bench_pipeline.py without launches: they read the training log's
+ms/iter and tokens/s, drop the first logged interval (start-up), and refuse a log with too few
+intervals; with saves, the wall time between logged lines and what each save held training up;
+bench_pipeline the predicted and the measured (megatron's timers) time of each pipeline rank."""
 
 import importlib.util
 
@@ -8,9 +9,14 @@ import pytest
 
 from conftest import ROOT
 
+from parm_trainer.bench import training_runs
+
 spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "tools/bench_e2e.py")
 tool = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tool)
+spec = importlib.util.spec_from_file_location("bench_pipeline", ROOT / "tools/bench_pipeline.py")
+pipeline_tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(pipeline_tool)
 
 LOG = """validation (start) at iteration 0 | lm loss 8.975361 | ppl 7905.871
 iteration     10/30 | lm loss 7.9 | lr 1.0e-03 | grad norm 1.4 | load_balancing_loss 1.0 | ms/iter 900.0 | tokens/s 2276 | TFLOP/s/device 0.01 | ETA 0.3 min
@@ -71,3 +77,50 @@ def test_row_names_map_to_flags():
         "--moe-parm-schedule", "s1", "--moe-parm-chunks", "1", "--timing-log-level", "2",
         "--overlap-grad-reduce"]
     assert tool.schedule_flags("default@timing-log-level=1") == ["--timing-log-level", "1"]
+
+
+TIMED_LOG = """predicted forward + backward per micro-batch (the default profile, x): PP rank 0 12.50 ms, PP rank 1 30.00 ms; 400.0 ms per iteration
+iteration      5/10 | lm loss 9.1 | ms/iter 900.0 | tokens/s 2276
+times across ranks (ms):
+  forward-compute:
+     rank  0: 100.00
+     rank  1: 200.00
+     rank  2: 120.00
+     rank  3: 180.00
+  backward-compute:
+     rank  0: 300.00
+     rank  1: 400.00
+     rank  2: 280.00
+     rank  3: 460.00
+  optimizer:
+     rank  0: 5.00
+"""
+
+
+def test_stage_times_predicted_and_measured():
+    assert training_runs.predicted_stage_ms(TIMED_LOG) == ([12.5, 30.0], 400.0)
+    assert training_runs.timer_rows(TIMED_LOG, "optimizer") == {0: 5.0}
+    # PP2 over 4 ranks: ranks 0-1 are pipeline rank 0, 2-3 rank 1; max over each, per micro-batch
+    assert training_runs.measured_stage_ms(TIMED_LOG, 2, 4, 4) == [150.0, 160.0]
+    with pytest.raises(ValueError, match="timing-log-option all"):
+        training_runs.timer_rows("iteration 1", "forward-compute")
+    with pytest.raises(ValueError, match="predicted forward"):
+        training_runs.predicted_stage_ms("iteration 1")
+
+
+def test_bench_pipeline_rows_and_command(tmp_path):
+    (tmp_path / "corpus.idx").write_text("")
+    (tmp_path / "tok.model").write_text("")
+    args = pipeline_tool.parse(["--layouts", "even,auto,Etttttttt|L", "--data-path",
+                                str(tmp_path / "corpus"), "--tokenizer-model",
+                                str(tmp_path / "tok.model"), "--", "--num-layers", "4"])
+    assert args.rows == ["even", "auto", "Etttttttt|L"]
+    even = pipeline_tool.command(args, "even", str(tmp_path / "r"))
+    assert "--pipeline-model-parallel-layout" not in even and even[-2:] == ["--num-layers", "4"]
+    assert even[even.index("--make-vocab-size-divisible-by") + 1] == "32000"
+    auto = pipeline_tool.command(args, "auto", str(tmp_path / "r"), timed=True)
+    assert auto[auto.index("--pipeline-model-parallel-layout") + 1] == "auto"
+    assert auto[auto.index("--timing-log-option") + 1] == "all"
+    with pytest.raises(SystemExit):
+        pipeline_tool.parse(["--nproc", "3", "--pp", "2", "--data-path", str(tmp_path / "corpus"),
+                             "--tokenizer-model", str(tmp_path / "tok.model")])

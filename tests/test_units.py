@@ -241,6 +241,10 @@ def test_padded_vocab_size_unusual_tp():
         value = padded_vocab_size(2000, tp)
         assert value % 128 == 0 and value % tp == 0 and 2000 <= value < 2000 + 128 * tp
 
+    # --make-vocab-size-divisible-by (Megatron-LM's flag) sets the multiple
+    assert padded_vocab_size(8000, 2, 32000) == 32000
+    assert padded_vocab_size(8000, 3, 1000) == 9000
+
 
 # --- flops_per_iteration ----------------------------------------------------------------------------
 

@@ -34,63 +34,20 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 
+from parm_trainer.bench.training_runs import (intervals, run_figure, run_timed, save_held,
+                                             wall_figure)
 from parm_trainer.cluster.launch import add_node_flags, launch_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*\| ms/iter ([\d.]+) \| tokens/s ([\d.]+)")
-SAVE_HELD = re.compile(r"^saved checkpoint \S+ in ([\d.]+) s$|training waited ([\d.]+) s\)$",
-                       re.M)
 MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
          "--seq-length", "128", "--max-position-embeddings", "128", "--disable-bias-linear",
          "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256",
          "--moe-aux-loss-coeff", "0.01", "--micro-batch-size", "4", "--global-batch-size", "16",
          "--lr", "1e-3", "--lr-warmup-iters", "0", "--seed", "1234", "--split", "969,30,1",
          "--eval-iters", "0", "--tokenizer-type", "SentencePieceTokenizer"]
-
-
-def intervals(output: str) -> list:
-    """[(iteration, ms/iter, tokens/s)] of the training log lines in output."""
-    return [(int(i), float(ms), float(tps)) for i, ms, tps in LINE.findall(output)]
-
-
-def run_figure(rows: list) -> float:
-    """Mean ms/iter of the logged intervals after the first (start-up, warm-up)."""
-    if len(rows) < 2:
-        raise ValueError(f"need at least 2 logged intervals, got {len(rows)}: raise "
-                         "--train-iters or lower --log-interval")
-    return statistics.fmean(ms for _, ms, _ in rows[1:])
-
-
-def wall_figure(stamps: list) -> float:
-    """ms per iteration between the first and the last logged line's arrival, [(iteration,
-    seconds)]: whatever the loop did between them (saves, their waits) included."""
-    if len(stamps) < 2:
-        return float("nan")
-    (first, t0), (last, t1) = stamps[0], stamps[-1]
-    return (t1 - t0) / (last - first) * 1e3
-
-
-def save_held(output: str) -> list:
-    """Seconds training waited for each save, from the log."""
-    return [float(sync or background) for sync, background in SAVE_HELD.findall(output)]
-
-
-def run_timed(cmd: list, env: dict) -> tuple:
-    """(exit status, output, [(iteration, arrival seconds)] of the logged iteration lines)."""
-    process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-    lines, stamps = [], []
-    for line in process.stdout:
-        now = time.monotonic()
-        lines.append(line)
-        match = LINE.search(line)
-        if match:
-            stamps.append((int(match.group(1)), now))
-    return process.wait(), "".join(lines), stamps
 
 
 def schedule_flags(name: str) -> list:
@@ -214,7 +171,7 @@ def main(argv=None) -> int:
         for schedule in order:
             run_dir = os.path.join(args.out_dir, f"{schedule}_{r}")
             start = time.monotonic()
-            returncode, stdout, stamps = run_timed(command(args, schedule, run_dir), env)
+            returncode, stdout, stamps = run_timed(command(args, schedule, run_dir), env, ROOT)
             shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
             output = collect_output(args, run_dir, stdout)
             if returncode != 0:

@@ -41,16 +41,19 @@ def stage_runs(args, pieces: list) -> list:
     return runs
 
 
-def estimate(args, profile=None) -> list:
-    """Per pipeline rank: {"weights_grads", "optimizer", "activations", "in_flight",
-    "dispatch", "total"} in bytes."""
-    cost = ModelCost(args, profile or DEFAULT_PROFILE, moe_schedule=("s1", 1))
+def estimate(args, profile=None) -> tuple:
+    """([per pipeline rank: {"weights_grads", "optimizer", "activations", "in_flight",
+    "dispatch", "total"} in bytes, "compute_s": its chunks' forward + backward per micro-batch,
+    without the P2P transfers}], the predicted iteration seconds), priced with profile (the
+    default profile if None; memory does not depend on it)."""
+    cost = ModelCost(args, profile or DEFAULT_PROFILE)
     runs = stage_runs(args, cost.pieces())
     pp = args.pipeline_model_parallel_size
     vp = len(runs) // pp
     microbatches = max(1, args.global_batch_size // (args.micro_batch_size * cost.dp))
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
-    ranks = predict(runs, cost, pp, vp, microbatches, tied)["ranks"]
+    predicted = predict(runs, cost, pp, vp, microbatches, tied)
+    ranks = predicted["ranks"]
     flight = in_flight(pp, vp, microbatches)
     rows = cost.n * (args.moe_router_topk or 0) * (args.expert_tensor_parallel_size or 1) / cost.tp
     out = []
@@ -61,10 +64,19 @@ def estimate(args, profile=None) -> list:
                  "optimizer": rank["state_bytes"] - weights_grads,
                  "activations": rank["activation_bytes"],
                  "in_flight": max(flight[c] for c in range(r, len(runs), pp)),
-                 "dispatch": 2 * rows * args.hidden_size * cost.e if moe else 0.0}
+                 "dispatch": 2 * rows * args.hidden_size * cost.e if moe else 0.0,
+                 "compute_s": sum(p.total_s for c, run in enumerate(runs) if c % pp == r
+                                  for p in run)}
         entry["total"] = rank["memory_bytes"] + entry["dispatch"]
         out.append(entry)
-    return out
+    return out, predicted["iteration_s"]
+
+
+def describe_times(ranks: list, iteration_s: float, source: str) -> str:
+    """The log line of predicted times."""
+    stages = ", ".join(f"PP rank {r} {e['compute_s'] * 1e3:.2f} ms" for r, e in enumerate(ranks))
+    return (f"predicted forward + backward per micro-batch ({source}): {stages}; "
+            f"{iteration_s * 1e3:.1f} ms per iteration")
 
 
 def describe(ranks: list) -> list:

@@ -86,11 +86,16 @@ def report_memory(args) -> None:
     """The start-up memory estimate per pipeline rank (args.memory_estimate_mib, and its parts
     in args.memory_estimate_parts), checked
     against --memory-gb on every rank before any communication."""
-    from parm_trainer.planning.memory_estimate import MIB, describe, estimate
+    from parm_trainer.moe.auto import load_profile
+    from parm_trainer.planning.memory_estimate import MIB, describe, describe_times, estimate
 
-    ranks = estimate(args)
+    profile = load_profile(args)
+    ranks, iteration_s = estimate(args, profile)
     for line in describe(ranks):
         _print_rank_0(line)
+    source = (f"--moe-parm-cost-profile {args.moe_parm_cost_profile}"
+              if args.moe_parm_cost_profile else f"the default profile, {profile.description}")
+    _print_rank_0(describe_times(ranks, iteration_s, source))
     args.memory_estimate_mib = [rank["total"] / MIB for rank in ranks]
     args.memory_estimate_parts = ranks
     if args.memory_gb:

@@ -37,8 +37,8 @@ import statistics
 import sys
 import time
 
-from parm_trainer.bench.training_runs import (intervals, run_figure, run_timed, save_held,
-                                             wall_figure)
+from parm_trainer.bench.training_runs import (add_run_flags, intervals, parse_run_flags,
+                                             run_figure, run_timed, save_held, wall_figure)
 from parm_trainer.cluster.launch import add_node_flags, launch_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,21 +111,12 @@ def parse(argv):
     p.add_argument("--log-interval", type=int, default=10)
     p.add_argument("--save-interval", type=int, default=0,
                    help="save every N iterations (each run into its own directory)")
-    p.add_argument("--data-path", default="data/demo/corpus_text_document")
-    p.add_argument("--tokenizer-model", default="data/demo/tokenizer.model")
     add_node_flags(p)
-    p.add_argument("--out-dir", default="runs/bench_e2e")
-    p.add_argument("--json", default=None, help="default: OUT_DIR/bench_e2e.json")
-    p.add_argument("extra", nargs=argparse.REMAINDER, help="-- flags for pretrain_gpt_moe.py")
-    args = p.parse_args(argv)
-    args.extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    add_run_flags(p, "bench_e2e")
+    args = parse_run_flags(p, argv, ROOT)
     args.schedule_list = [s for s in args.schedules.split(",") if s]
-    if args.runs < 1 or args.nproc % args.nodes:
-        p.error("--runs must be >= 1 and --nproc a multiple of --nodes")
-    for path in (args.data_path + ".idx", args.tokenizer_model):
-        if not os.path.exists(os.path.join(ROOT, path)):
-            p.error(f"{path} not found: run `make data` first, or pass --data-path and "
-                    "--tokenizer-model")
+    if args.nproc % args.nodes:
+        p.error("--nproc must be a multiple of --nodes")
     return args
 
 

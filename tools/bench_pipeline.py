@@ -30,8 +30,9 @@ import statistics
 import sys
 
 from parm_trainer.arguments import parse_args
-from parm_trainer.bench.training_runs import (intervals, measured_stage_ms, predicted_stage_ms,
-                                             run_figure, run_timed)
+from parm_trainer.bench.training_runs import (add_run_flags, intervals, measured_stage_ms,
+                                             parse_run_flags, predicted_stage_ms, run_figure,
+                                             run_timed)
 from parm_trainer.cluster.launch import launch_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,20 +79,11 @@ def parse(argv):
     p.add_argument("--log-interval", type=int, default=5)
     p.add_argument("--profile", default=None, help="--moe-parm-cost-profile for every run")
     p.add_argument("--no-stage-times", action="store_false", dest="stage_times")
-    p.add_argument("--data-path", default="data/demo/corpus_text_document")
-    p.add_argument("--tokenizer-model", default="data/demo/tokenizer.model")
-    p.add_argument("--out-dir", default="runs/bench_pipeline")
-    p.add_argument("--json", default=None, help="default: OUT_DIR/bench_pipeline.json")
-    p.add_argument("extra", nargs=argparse.REMAINDER, help="-- flags for pretrain_gpt_moe.py")
-    args = p.parse_args(argv)
-    args.extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    add_run_flags(p, "bench_pipeline")
+    args = parse_run_flags(p, argv, ROOT)
+    if args.nproc % args.pp:
+        p.error("--nproc must be a multiple of --pp")
     args.rows = [r for r in args.layouts.split(",") if r]
-    if args.runs < 1 or args.nproc % args.pp:
-        p.error("--runs must be >= 1 and --nproc a multiple of --pp")
-    for path in (args.data_path + ".idx", args.tokenizer_model):
-        if not os.path.exists(os.path.join(ROOT, path)):
-            p.error(f"{path} not found: run `make data` first, or pass --data-path and "
-                    "--tokenizer-model")
     return args
 
 

@@ -8,6 +8,8 @@ logged lines, what each save held training up, and per-rank timer rows.
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
 import statistics
 import subprocess
@@ -57,6 +59,31 @@ def run_timed(cmd: list, env: dict, cwd: str) -> tuple:
         if match:
             stamps.append((int(match.group(1)), now))
     return process.wait(), "".join(lines), stamps
+
+
+def add_run_flags(parser, name: str) -> None:
+    """The flags every end-to-end benchmark takes: the data, where its runs and JSON go, and
+    the flags after -- for pretrain_gpt_moe.py (parse_run_flags reads them)."""
+    parser.add_argument("--data-path", default="data/demo/corpus_text_document")
+    parser.add_argument("--tokenizer-model", default="data/demo/tokenizer.model")
+    parser.add_argument("--out-dir", default=f"runs/{name}")
+    parser.add_argument("--json", default=None, help=f"default: OUT_DIR/{name}.json")
+    parser.add_argument("extra", nargs=argparse.REMAINDER,
+                        help="-- flags for pretrain_gpt_moe.py")
+
+
+def parse_run_flags(parser, argv, root: str):
+    """parser's arguments (--runs at least 1), the extra flags without their --, the data
+    checked to exist."""
+    args = parser.parse_args(argv)
+    args.extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    if args.runs < 1:
+        parser.error("--runs must be >= 1")
+    for path in (args.data_path + ".idx", args.tokenizer_model):
+        if not os.path.exists(os.path.join(root, path)):
+            parser.error(f"{path} not found: run `make data` first, or pass --data-path and "
+                         "--tokenizer-model")
+    return args
 
 
 PREDICTED = re.compile(r"^predicted forward \+ backward per micro-batch \(.*\): (.*); "

@@ -124,3 +124,17 @@ def test_bench_pipeline_rows_and_command(tmp_path):
     with pytest.raises(SystemExit):
         pipeline_tool.parse(["--nproc", "3", "--pp", "2", "--data-path", str(tmp_path / "corpus"),
                              "--tokenizer-model", str(tmp_path / "tok.model")])
+
+
+def test_plan_check_picks_and_ranks():
+    from parm_trainer.bench.plan_check import pick, spearman
+
+    assert pick(30, 12, 4) == list(range(12)) + [12, 18, 23, 29]  # spread, the last included
+    assert pick(14, 12, 4) == list(range(14))
+    assert pick(5, 12, 4) == list(range(5))
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # against the textbook formula 1 - 6 sum d^2 / (n (n^2 - 1)) (no ties)
+    a, b = [3.1, 1.2, 5.0, 2.2, 4.4], [2.0, 1.0, 4.0, 5.0, 3.0]
+    assert spearman(a, b) == pytest.approx(1 - 6 * (1 + 0 + 1 + 9 + 1) / (5 * 24))
+    assert spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(0.8660254)  # ties share a rank

@@ -180,13 +180,10 @@ def test_plan_layout_ranks_layouts_that_run(capsys):
     times = [c.iteration_s for c in ranked]
     assert times == sorted(times) and len({(c.tp, c.ep, c.esp, c.pp, c.vp) for c in ranked}) \
         == len(ranked) > 10
-    for c in ranked:  # every layout passes the project's checks (PP's split checked by split())
-        flags = [f for f in c.flags() if f not in ("--pipeline-model-parallel-layout", c.layout)]
-        flags = [f for f in flags if f not in ("--num-virtual-stages-per-pipeline-rank",)]
-        trial = parse_args([*PLAN_MODEL, *flags[:8], *(["--sequence-parallel"] if c.tp > 1 else [])],
-                           world_size=4)
-        trial.pipeline_model_parallel_size = 1
+    for c in ranked:  # every layout's flags, as given to a run, pass the project's checks
+        trial = parse_args([*PLAN_MODEL, *c.flags()], world_size=4)
         validate_layout(trial)
+        assert (trial.virtual_pipeline_model_parallel_size or 1) == c.vp
         assert c.layout.count("t") == 6 and c.layout.count("|") == c.pp * c.vp - 1
     # a memory limit leaves out what it must, and one nothing meets is refused in one line
     limit = sorted(c.memory_bytes for c in ranked)[len(ranked) // 2]

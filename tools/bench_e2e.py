@@ -37,17 +37,13 @@ import statistics
 import sys
 import time
 
-from parm_trainer.bench.training_runs import (add_run_flags, intervals, parse_run_flags,
-                                             run_figure, run_timed, save_held, wall_figure)
+from parm_trainer.bench.training_runs import (DEMO_MODEL, add_run_flags, intervals,
+                                             parse_run_flags, run_figure, run_timed, save_held,
+                                             training_log, wall_figure)
 from parm_trainer.cluster.launch import add_node_flags, launch_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
-         "--seq-length", "128", "--max-position-embeddings", "128", "--disable-bias-linear",
-         "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256",
-         "--moe-aux-loss-coeff", "0.01", "--micro-batch-size", "4", "--global-batch-size", "16",
-         "--lr", "1e-3", "--lr-warmup-iters", "0", "--seed", "1234", "--split", "969,30,1",
-         "--eval-iters", "0", "--tokenizer-type", "SentencePieceTokenizer"]
+MODEL = DEMO_MODEL
 
 
 def schedule_flags(name: str) -> list:
@@ -88,15 +84,6 @@ def command(args, schedule: str, run_dir: str) -> list:
     flags += args.extra
     return launch_command(args.nproc, args.nodes, args.inter_node_bandwidth,
                           os.path.join(run_dir, "nodes"), ["pretrain_gpt_moe.py", *flags])
-
-
-def collect_output(args, run_dir: str, stdout: str) -> str:
-    """The training log: stdout on one node; across emulated nodes megatron prints on the
-    last rank, which is in the last node's log."""
-    if args.nodes == 1:
-        return stdout
-    with open(os.path.join(run_dir, "nodes", f"node{args.nodes - 1}.log")) as f:
-        return f.read()
 
 
 def parse(argv):
@@ -164,7 +151,7 @@ def main(argv=None) -> int:
             start = time.monotonic()
             returncode, stdout, stamps = run_timed(command(args, schedule, run_dir), env, ROOT)
             shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
-            output = collect_output(args, run_dir, stdout)
+            output = training_log(args.nodes, run_dir, stdout)
             if returncode != 0:
                 print(output[-3000:], file=sys.stderr)
                 print(f"bench_e2e: {schedule} run {r + 1} failed (exit {returncode})",

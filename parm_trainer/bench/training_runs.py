@@ -15,6 +15,16 @@ import statistics
 import subprocess
 import time
 
+# `make demo`'s model (scripts/demo_gpt_moe.sh) at a benchmark's batch: the default model of
+# tools/bench_e2e.py and tools/bench_plan.py
+DEMO_MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
+              "--seq-length", "128", "--max-position-embeddings", "128", "--disable-bias-linear",
+              "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256",
+              "--moe-aux-loss-coeff", "0.01", "--micro-batch-size", "4",
+              "--global-batch-size", "16", "--lr", "1e-3", "--lr-warmup-iters", "0",
+              "--seed", "1234", "--split", "969,30,1", "--eval-iters", "0",
+              "--tokenizer-type", "SentencePieceTokenizer"]
+
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*\| ms/iter ([\d.]+) \| tokens/s ([\d.]+)")
 SAVE_HELD = re.compile(r"^saved checkpoint \S+ in ([\d.]+) s$|training waited ([\d.]+) s\)$",
                        re.M)
@@ -59,6 +69,16 @@ def run_timed(cmd: list, env: dict, cwd: str) -> tuple:
         if match:
             stamps.append((int(match.group(1)), now))
     return process.wait(), "".join(lines), stamps
+
+
+def training_log(nodes: int, run_dir: str, stdout: str) -> str:
+    """The training log of a run launched by cluster.launch.launch_command(..., run_dir/nodes,
+    ...): stdout on one node; across emulated nodes megatron prints on the last rank, which is
+    in the last node's log."""
+    if nodes == 1:
+        return stdout
+    with open(os.path.join(run_dir, "nodes", f"node{nodes - 1}.log")) as f:
+        return f.read()
 
 
 def add_run_flags(parser, name: str) -> None:

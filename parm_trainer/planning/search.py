@@ -40,10 +40,8 @@ class Candidate:
                  "--pipeline-model-parallel-size", self.pp]
         if self.tp > 1:
             flags.append("--sequence-parallel")
-        if self.pp > 1:
+        if self.pp > 1:  # P x V stages in the string: megatron reads V from it
             flags += ["--pipeline-model-parallel-layout", self.layout]
-        if self.vp > 1:
-            flags += ["--num-virtual-stages-per-pipeline-rank", self.vp]
         return [str(f) for f in flags]
 
 

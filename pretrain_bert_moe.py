@@ -16,9 +16,10 @@ parm_trainer.training runs the loop, exactly as for GPT.
 
 import sys
 
-from parm_trainer.lazy_imports import skip_wandb_unless_asked
+from parm_trainer.lazy_imports import eager_fusions_without_cuda, skip_wandb_unless_asked
 
 skip_wandb_unless_asked(sys.argv)  # before megatron-core is imported (lazy_imports.py)
+eager_fusions_without_cuda()
 
 from functools import partial
 

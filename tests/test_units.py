@@ -549,3 +549,28 @@ def test_timing_report_formats():
                        "combine 0.50/0.00 | total 6.70/0.75")
     assert format_report(report, "max").splitlines()[1].endswith(": 12.00")
     assert format_report({}, "max") == ""
+
+
+# --- start-up: megatron-core's fused kernels stay eager without CUDA -----------------------------
+
+
+def test_megatron_imports_without_torch_compile_on_cpu():
+    """lazy_imports.eager_fusions_without_cuda: megatron-core imported without torch._dynamo or
+    torch._inductor, torch.compile itself given back, and megatron's jit-fused functions the
+    plain Python functions (the same arithmetic as megatron's unfused formula)."""
+    code = """
+import sys, torch
+compile_ = torch.compile
+from parm_trainer.lazy_imports import eager_fusions_without_cuda
+eager_fusions_without_cuda()
+from megatron.core.fusions.fused_bias_gelu import bias_gelu
+x, b = torch.randn(64), torch.randn(64)
+y = x + b
+want = y * 0.5 * (1.0 + torch.tanh(0.79788456 * y * (1 + 0.044715 * y * y)))
+print(sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules),
+      torch.compile is compile_, type(bias_gelu).__name__, torch.equal(bias_gelu(b, x), want))
+"""
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["[]", "True", "function", "True"]

@@ -38,6 +38,9 @@ import warnings
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|is deprecated|sequence "
                                           "parallelism must be used|Disabling sequence parallel)")
 
+from parm_trainer.lazy_imports import eager_fusions_without_cuda  # noqa: E402
+
+eager_fusions_without_cuda()  # before megatron-core is imported (lazy_imports.py)
 from parm_trainer.bench import flags  # noqa: E402
 
 

@@ -11,9 +11,10 @@ tokenizer come from the checkpoint (--tokenizer-model overrides the tokenizer).
 
 import sys
 
-from parm_trainer.lazy_imports import skip_wandb_unless_asked
+from parm_trainer.lazy_imports import eager_fusions_without_cuda, skip_wandb_unless_asked
 
 skip_wandb_unless_asked(sys.argv)
+eager_fusions_without_cuda()
 from parm_trainer.generation import main
 
 if __name__ == "__main__":

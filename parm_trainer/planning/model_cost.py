@@ -78,9 +78,10 @@ class ModelCost:
         alpha, beta = self.profile.rate(kind, size, stride)
         return alpha + sent_bytes(kind, int(nbytes), size) * beta
 
-    def gemm(self, flops: float) -> float:
+    def gemm(self, flops: float, calls: int = 1) -> float:
+        """`calls` GEMMs of `flops` in all (the backward runs twice as many)."""
         alpha, beta = self.profile.compute
-        return alpha + flops * beta
+        return calls * alpha + flops * beta
 
     def traffic(self, nbytes: float) -> float:
         if self.profile.memory is None:
@@ -115,7 +116,8 @@ class ModelCost:
         flops = qkv + core + 2 * n * M * M / T
         softmax = 3 * a.micro_batch_size * heads / T * a.seq_length ** 2 * self.e
         norm = 2 * n * M * self.e / (T if self.sp else 1)
-        f, b = self._mp_block(self.gemm(flops), self.traffic(softmax + norm))
+        # QKV, scores, values, projection
+        f, b = self._mp_block(self.gemm(flops, calls=4), self.traffic(softmax + norm))
         params = (M * (M + 2 * M * groups / heads) + M * M) / T + M
         return f, b, params
 
@@ -124,7 +126,7 @@ class ModelCost:
         mats = 3 if getattr(a, "swiglu", False) else 2
         flops = 2 * n * M * a.ffn_hidden_size * mats / self.tp
         norm = 2 * n * M * self.e / (self.tp if self.sp else 1)
-        f, b = self._mp_block(self.gemm(flops), self.traffic(norm))
+        f, b = self._mp_block(self.gemm(flops, calls=2), self.traffic(norm))  # fc1, fc2
         return f, b, M * a.ffn_hidden_size * mats / self.tp + M
 
     def moe_mlp(self) -> tuple:

@@ -1,6 +1,8 @@
 """Bad input ends every rank fast, with one line naming the cause and a non-zero exit.
 
-Each case is a real torchrun launch on 4 ranks (or 1 where the case needs no parallelism)."""
+Each case is a real torchrun launch: on 4 ranks where the layout itself is the bad input, on 2
+where the check is the same whatever the layout (data, profile: 2 ranks show every rank ending
+as well as 4, at half the start-up), on 1 where the case needs no parallelism."""
 
 import shutil
 
@@ -9,28 +11,28 @@ import pytest
 from conftest import assert_clean_failure, error_lines, launch, tiny_gpt_args
 
 
-@pytest.mark.parametrize("case,flags,needles", [
-    ("tp3_on_4", {"tensor-model-parallel-size": 3, "num-attention-heads": 6, "hidden-size": 96},
-     ["--tensor-model-parallel-size 3", "world size 4"]),
-    ("5_experts_ep2", {"num-experts": 5, "expert-model-parallel-size": 2},
+@pytest.mark.parametrize("case,world,flags,needles", [
+    ("tp3_on_4", 4, {"tensor-model-parallel-size": 3, "num-attention-heads": 6,
+                     "hidden-size": 96}, ["--tensor-model-parallel-size 3", "world size 4"]),
+    ("5_experts_ep2", 2, {"num-experts": 5, "expert-model-parallel-size": 2},
      ["--num-experts 5", "--expert-model-parallel-size 2"]),
 ])
-def test_impossible_layout(case, flags, needles, gpt_data, tmp_path):
-    run = launch(4, tiny_gpt_args(gpt_data, **flags), tmp_path, timeout=120)
+def test_impossible_layout(case, world, flags, needles, gpt_data, tmp_path):
+    run = launch(world, tiny_gpt_args(gpt_data, **flags), tmp_path, timeout=120)
     assert_clean_failure(run, *needles)
 
 
 def test_malformed_cost_profile(gpt_data, tmp_path):
     profile = tmp_path / "profile.json"
     profile.write_text('{"gpus_per_node": 4, "collectives": {}, "compute": {}}')
-    run = launch(4, tiny_gpt_args(gpt_data, **{"moe-parm-schedule": "auto",
+    run = launch(2, tiny_gpt_args(gpt_data, **{"moe-parm-schedule": "auto",
                                                "moe-parm-cost-profile": profile}),
                  tmp_path, timeout=120)
     assert_clean_failure(run, str(profile), "collectives must have exactly the kinds")
 
 
 def test_missing_data_path(gpt_data, tmp_path):
-    run = launch(4, tiny_gpt_args(gpt_data, **{"data-path": tmp_path / "nowhere"}), tmp_path,
+    run = launch(2, tiny_gpt_args(gpt_data, **{"data-path": tmp_path / "nowhere"}), tmp_path,
                  timeout=120)
     assert_clean_failure(run, "--data-path", "nowhere")
 
@@ -39,7 +41,7 @@ def test_no_data_path_flag(gpt_data, tmp_path):
     args = tiny_gpt_args(gpt_data)
     at = args.index("--data-path")
     del args[at:at + 2]
-    run = launch(4, args, tmp_path, timeout=120)
+    run = launch(2, args, tmp_path, timeout=120)
     assert_clean_failure(run, "--data-path is required")
 
 
@@ -48,7 +50,7 @@ def test_corrupt_idx(gpt_data, tmp_path):
     shutil.copy(gpt_data["prefix"] + ".bin", str(prefix) + ".bin")
     idx = open(gpt_data["prefix"] + ".idx", "rb").read()
     open(str(prefix) + ".idx", "wb").write(idx[: len(idx) // 2])  # truncated
-    run = launch(4, tiny_gpt_args(gpt_data, **{"data-path": prefix}), tmp_path, timeout=120)
+    run = launch(2, tiny_gpt_args(gpt_data, **{"data-path": prefix}), tmp_path, timeout=120)
     assert_clean_failure(run, "corrupt_text_document.idx")
 
 

@@ -17,6 +17,7 @@ import pytest
 
 import parm_trainer
 from conftest import ROOT, assert_clean_failure, free_port, launch, max_relative, tiny_gpt_args
+from parm_trainer.training.checkpoint_files import TRACKER
 from parm_trainer.training.checkpointing import read_description
 
 
@@ -189,3 +190,20 @@ def test_plain_optimizer_resumes_under_another_layout(gpt_data, tmp_path):
     assert resumed.returncode == 0, resumed.output[-4000:]
     assert [r["iteration"] for r in resumed.losses] == [5, 6]
     assert max_relative(resumed.loss(), straight.loss()[4:]) <= 1e-4
+
+
+def test_one_rank_resume_with_dropout_is_exact(gpt_data, tmp_path):
+    """At TP1 dropout draws from the default CPU generator, which the checkpoint restores; the
+    data iterators built after the load must not draw from it (the DataLoader's base seed comes
+    from a generator of its own), nor the evaluation iterator that restarts mid-run."""
+    flags = {"hidden-dropout": 0.1, "attention-dropout": 0.1, "train-iters": 6,
+             "save-interval": 3, "eval-interval": 2, "eval-iters": 1}
+    straight = launch(1, tiny_gpt_args(gpt_data, **flags, save=tmp_path / "a"), tmp_path)
+    assert straight.returncode == 0, straight.output[-3000:]
+    at_3 = tmp_path / "at_3"
+    at_3.mkdir()
+    (at_3 / "iter_0000003").symlink_to(tmp_path / "a" / "iter_0000003")
+    (at_3 / TRACKER).write_text("3")
+    resumed = launch(1, tiny_gpt_args(gpt_data, **flags, load=at_3), tmp_path)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert resumed.loss() == straight.loss()[3:]

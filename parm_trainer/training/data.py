@@ -40,8 +40,12 @@ def micro_batch_iterator(dataset, consumed_samples: int, micro_batch_size: int,
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
                                  parallel_state.get_data_parallel_rank(),
                                  parallel_state.get_data_parallel_world_size())
+    # A generator of its own: each new iterator draws its workers' base seed from it, which
+    # from the default generator would shift dropout's stream after a resume (or after the
+    # evaluation iterator restarts) and break exact resumption at TP1.
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                         pin_memory=torch.cuda.is_available())
+                                         pin_memory=torch.cuda.is_available(),
+                                         generator=torch.Generator())
     return iter(loader)
 
 

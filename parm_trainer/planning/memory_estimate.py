@@ -7,11 +7,12 @@ Per pipeline rank (its chunks under the run's layout, args.pipeline_stages):
   weights and gradients  the parameters this rank holds (dense ones / MP, experts / (EP x ESP),
                          the word embedding once where E and L share a stage) in the model's
                          dtype, and their fp32 gradient buffer (megatron's DDP)
-  optimizer              Adam's two fp32 moments (and an fp32 copy under bf16), over DP with
-                         --use-distributed-optimizer
-  activations            what autograd saves per micro-batch (top-k expert rows included), times
-                         the micro-batches each chunk holds in flight under 1F1B (P - k on stage k;
-                         P on every chunk of an interleaved rank)
+  optimizer              Adam's two fp32 moments (and an fp32 copy under bf16); with
+                         --use-distributed-optimizer the dense ones over DP, the experts' over
+                         the expert-DP group
+  activations            what autograd saves per micro-batch (top-k expert rows included), at
+                         the peak over megatron's schedule of the micro-batches the rank's chunks
+                         hold (P - k on stage k under 1F1B; interleaved: stages.live_micro_batches)
   dispatch buffers       one MoE layer's exchange at a time: the rows it sends and receives
                          (transient, not saved)
 The same numbers the stage builder splits by under --memory-gb (stages.predict). They leave out
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from parm_trainer.moe.cost_model import DEFAULT_PROFILE
 from parm_trainer.planning.model_cost import ModelCost
-from parm_trainer.planning.stages import in_flight, predict
+from parm_trainer.planning.stages import live_micro_batches, predict
 
 MIB = 2 ** 20
 
@@ -41,6 +42,13 @@ def stage_runs(args, pieces: list) -> list:
     return runs
 
 
+def _in_flight_at_peak(runs: list, pp: int, vp: int, microbatches: int, rank: int) -> int:
+    """Micro-batches (of all the rank's chunks) whose activations are held at the rank's peak."""
+    per_chunk = [sum(p.activation_bytes for p in runs[v * pp + rank]) for v in range(vp)]
+    snaps = live_micro_batches(pp, vp, microbatches, rank)
+    return sum(max(snaps, key=lambda snap: sum(n * b for n, b in zip(snap, per_chunk))))
+
+
 def estimate(args, profile=None) -> tuple:
     """([per pipeline rank: {"weights_grads", "optimizer", "activations", "in_flight",
     "dispatch", "total"} in bytes, "compute_s": its chunks' forward + backward per micro-batch,
@@ -54,7 +62,6 @@ def estimate(args, profile=None) -> tuple:
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
     predicted = predict(runs, cost, pp, vp, microbatches, tied)
     ranks = predicted["ranks"]
-    flight = in_flight(pp, vp, microbatches)
     rows = cost.n * (args.moe_router_topk or 0) * (args.expert_tensor_parallel_size or 1) / cost.tp
     out = []
     for r, rank in enumerate(ranks):
@@ -63,7 +70,7 @@ def estimate(args, profile=None) -> tuple:
         entry = {"weights_grads": weights_grads,
                  "optimizer": rank["state_bytes"] - weights_grads,
                  "activations": rank["activation_bytes"],
-                 "in_flight": max(flight[c] for c in range(r, len(runs), pp)),
+                 "in_flight": _in_flight_at_peak(runs, pp, vp, microbatches, r),
                  "dispatch": 2 * rows * args.hidden_size * cost.e if moe else 0.0,
                  "compute_s": sum(p.total_s for c, run in enumerate(runs) if c % pp == r
                                   for p in run)}
@@ -86,6 +93,7 @@ def describe(ranks: list) -> list:
         where = f"  PP rank {r}: " if len(ranks) > 1 else "  "
         lines.append(f"{where}{e['total'] / MIB:.1f} MiB = weights and gradients "
                      f"{e['weights_grads'] / MIB:.1f} + optimizer {e['optimizer'] / MIB:.1f} + "
-                     f"activations {e['activations'] / MIB:.1f} ({e['in_flight']} micro-batches "
-                     f"in flight) + MoE dispatch buffers {e['dispatch'] / MIB:.1f}")
+                     f"activations {e['activations'] / MIB:.1f} ({e['in_flight']} micro-batch"
+                     f"{'es' if e['in_flight'] != 1 else ''} in flight) + MoE dispatch buffers "
+                     f"{e['dispatch'] / MIB:.1f}")
     return lines

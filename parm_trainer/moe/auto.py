@@ -44,6 +44,11 @@ def load_profile(args) -> Profile:
     return profile
 
 
+def profile_source(args, profile: Profile) -> str:
+    """How the log names the profile a prediction used."""
+    return args.moe_parm_cost_profile or f"the built-in default profile ({profile.description})"
+
+
 CHUNK_CHOICES = (1, 2, 4, 8)
 TUNE_DEPTHS = (1, 2, 4)
 
@@ -77,8 +82,7 @@ def resolve_auto_schedule(args, log=print) -> None:
     if not predicted:
         raise ValueError(f"no schedule among {names} can run this layer")
     name, r = min(predicted, key=predicted.get)
-    source = args.moe_parm_cost_profile or \
-        f"the built-in default profile ({profile.description})"
+    source = profile_source(args, profile)
     label = (lambda n, d: f"{n} r={d}") if auto_chunks else (lambda n, d: n)
     times = ", ".join(f"{label(n, d)} {t * 1e3:.3f} ms" for (n, d), t in predicted.items())
     what = " and ".join(w for w, on in (("--moe-parm-schedule auto", auto_schedule),

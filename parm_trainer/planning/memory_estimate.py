@@ -1,7 +1,8 @@
 """The start-up memory estimate per rank (Megatron-LM's --report-theoretical-memory, right for
 MoE): what each pipeline rank holds for its own stage, from the whole-model cost model.
 
-    for line in describe(estimate(args)): print(line)
+    ranks, iteration_s = estimate(args, profile)
+    for line in describe(ranks): print(line)
 
 Per pipeline rank (its chunks under the run's layout, args.pipeline_stages):
   weights and gradients  the parameters this rank holds (dense ones / MP, experts / (EP x ESP),
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from parm_trainer.moe.cost_model import DEFAULT_PROFILE
 from parm_trainer.planning.model_cost import ModelCost
-from parm_trainer.planning.stages import live_micro_batches, predict
+from parm_trainer.planning.stages import predict
 
 MIB = 2 ** 20
 
@@ -33,20 +34,12 @@ def stage_runs(args, pieces: list) -> list:
     from parm_trainer.pipeline_layout import chunks_of
 
     pp = args.pipeline_model_parallel_size
-    stages = getattr(args, "pipeline_stages", None) or "E" + "t" * args.num_layers + "L"
     runs = []
-    for chunk in chunks_of(stages, pp):
+    for chunk in chunks_of(args.pipeline_stages, pp):  # set by pipeline_layout.check_pipeline
         run = [pieces[0]] if chunk.embedding else []
         run += [pieces[1 + layer] for layer in chunk.layers]
         runs.append(run + ([pieces[-1]] if chunk.loss else []))
     return runs
-
-
-def _in_flight_at_peak(runs: list, pp: int, vp: int, microbatches: int, rank: int) -> int:
-    """Micro-batches (of all the rank's chunks) whose activations are held at the rank's peak."""
-    per_chunk = [sum(p.activation_bytes for p in runs[v * pp + rank]) for v in range(vp)]
-    snaps = live_micro_batches(pp, vp, microbatches, rank)
-    return sum(max(snaps, key=lambda snap: sum(n * b for n, b in zip(snap, per_chunk))))
 
 
 def estimate(args, profile=None) -> tuple:
@@ -66,16 +59,12 @@ def estimate(args, profile=None) -> tuple:
     out = []
     for r, rank in enumerate(ranks):
         moe = any(p.kind == "m" for c, run in enumerate(runs) if c % pp == r for p in run)
-        weights_grads = rank["params"] * (cost.e + 4)
-        entry = {"weights_grads": weights_grads,
-                 "optimizer": rank["state_bytes"] - weights_grads,
-                 "activations": rank["activation_bytes"],
-                 "in_flight": _in_flight_at_peak(runs, pp, vp, microbatches, r),
-                 "dispatch": 2 * rows * args.hidden_size * cost.e if moe else 0.0,
-                 "compute_s": sum(p.total_s for c, run in enumerate(runs) if c % pp == r
-                                  for p in run)}
-        entry["total"] = rank["memory_bytes"] + entry["dispatch"]
-        out.append(entry)
+        dispatch = 2 * rows * args.hidden_size * cost.e if moe else 0.0
+        out.append({"weights_grads": rank["weights_grads_bytes"],
+                    "optimizer": rank["optimizer_bytes"],
+                    "activations": rank["activation_bytes"], "in_flight": rank["in_flight"],
+                    "dispatch": dispatch, "compute_s": rank["compute_s"],
+                    "total": rank["memory_bytes"] + dispatch})
     return out, predicted["iteration_s"]
 
 

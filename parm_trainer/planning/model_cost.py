@@ -64,6 +64,8 @@ class ModelCost:
         a = args
         self.tp, self.pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
         self.dp = a.world_size // (self.tp * self.pp)
+        self.edp = a.world_size // (a.expert_model_parallel_size * a.expert_tensor_parallel_size
+                                    * self.pp)  # the experts' data-parallel size
         self.e = 2 if a.bf16 else 4
         self.n = a.seq_length * a.micro_batch_size
         self.sp = a.sequence_parallel and self.tp > 1
@@ -231,23 +233,22 @@ class ModelCost:
         """The DP all-reduce of a stage's fp32 gradients (dense over DP, experts over the
         expert-data-parallel group), then the optimizer's pass over the parameters."""
         a = self.args
-        edp = a.world_size // (a.expert_model_parallel_size * a.expert_tensor_parallel_size
-                               * self.pp)
         dense = self.coll("allreduce", (params - expert_params) * 4, self.dp, self.tp)
         experts = self.coll("allreduce", expert_params * 4,
-                            edp, a.expert_model_parallel_size * a.expert_tensor_parallel_size)
+                            self.edp, a.expert_model_parallel_size * a.expert_tensor_parallel_size)
         optimizer = self.traffic(params * 32)  # fp32 weight, grad, two moments: read + write
         return dense + experts + optimizer
 
-    def state_bytes(self, params: float, expert_params: float = 0.0) -> float:
-        """Parameters, gradients and optimizer state of params (expert_params of them in
-        experts) on this rank; the distributed optimizer shards the dense ones' state over DP,
-        the experts' over the expert-data-parallel group."""
-        a = self.args
-        optimizer = 12 if a.bf16 else 8  # (fp32 copy) + two Adam moments
+    def state_parts(self, params: float, expert_params: float = 0.0) -> tuple:
+        """(parameters and their fp32 gradients, optimizer state) of params (expert_params of
+        them in experts) on this rank; the distributed optimizer shards the dense ones' state
+        over DP, the experts' over the expert-data-parallel group."""
+        optimizer = 12 if self.args.bf16 else 8  # (fp32 copy) + two Adam moments
         dense, experts = params - expert_params, expert_params
-        if getattr(a, "use_distributed_optimizer", False):
-            edp = a.world_size // (a.expert_model_parallel_size * a.expert_tensor_parallel_size
-                                   * self.pp)
-            dense, experts = dense / self.dp, experts / max(1, edp)
-        return params * (self.e + 4) + (dense + experts) * optimizer
+        if getattr(self.args, "use_distributed_optimizer", False):
+            dense, experts = dense / self.dp, experts / max(1, self.edp)
+        return params * (self.e + 4), (dense + experts) * optimizer
+
+    def state_bytes(self, params: float, expert_params: float = 0.0) -> float:
+        """Parameters, gradients and optimizer state of params on this rank."""
+        return sum(self.state_parts(params, expert_params))

@@ -143,30 +143,39 @@ def live_micro_batches(pp: int, vp: int, microbatches: int, rank: int) -> list:
 def in_flight(pp: int, vp: int, microbatches: int) -> list:
     """Per chunk (megatron's order: chunk c on rank c mod P), the most micro-batches it holds
     at once (P - k on stage k under 1F1B)."""
-    return [max(snap[c // pp] for snap in live_micro_batches(pp, vp, microbatches, c % pp))
-            for c in range(pp * vp)]
+    most = [[max(column) for column in zip(*live_micro_batches(pp, vp, microbatches, rank))]
+            for rank in range(pp)]
+    return [most[c % pp][c // pp] for c in range(pp * vp)]
 
 
 def predict(runs: list, cost: ModelCost, pp: int, vp: int, microbatches: int,
             tied: bool = True) -> dict:
-    """Per rank and per iteration: {"ranks": [{time_s, memory_bytes (= state_bytes +
-    activation_bytes), params, expert_params, sync_s}], "iteration_s"}."""
-    ranks = [{"time_s": 0.0, "activation_bytes": 0.0, "params": 0.0, "expert_params": 0.0}
+    """Per rank and per iteration: {"ranks": [{time_s (compute_s and the P2P transfers),
+    memory_bytes (= weights_grads_bytes + optimizer_bytes + activation_bytes, the last with
+    in_flight micro-batches held at the rank's peak), params, expert_params, sync_s}],
+    "iteration_s"}."""
+    ranks = [{"time_s": 0.0, "compute_s": 0.0, "params": 0.0, "expert_params": 0.0}
              for _ in range(pp)]
     p2p = cost.p2p_s()
     for c, run in enumerate(runs):
         rank = ranks[c % pp]
         boundaries = (c > 0) + (c < len(runs) - 1)
-        rank["time_s"] += sum(p.total_s for p in run) + 2 * boundaries * p2p
+        compute = sum(p.total_s for p in run)
+        rank["compute_s"] += compute
+        rank["time_s"] += compute + 2 * boundaries * p2p
         params, experts = _stage_params(run, tied)
         rank["params"] += params
         rank["expert_params"] += experts
     for r, rank in enumerate(ranks):  # the peak over the schedule of the chunks' live sum
         per_chunk = [sum(p.activation_bytes for p in runs[v * pp + r]) for v in range(vp)]
-        rank["activation_bytes"] = max(sum(n * b for n, b in zip(snap, per_chunk))
-                                       for snap in live_micro_batches(pp, vp, microbatches, r))
-        rank["state_bytes"] = cost.state_bytes(rank["params"], rank["expert_params"])
-        rank["memory_bytes"] = rank["state_bytes"] + rank["activation_bytes"]
+        peak = max(live_micro_batches(pp, vp, microbatches, r),
+                   key=lambda snap: sum(n * b for n, b in zip(snap, per_chunk)))
+        rank["in_flight"] = sum(peak)
+        rank["activation_bytes"] = sum(n * b for n, b in zip(peak, per_chunk))
+        rank["weights_grads_bytes"], rank["optimizer_bytes"] = cost.state_parts(
+            rank["params"], rank["expert_params"])
+        rank["memory_bytes"] = (rank["weights_grads_bytes"] + rank["optimizer_bytes"]
+                                + rank["activation_bytes"])
         rank["sync_s"] = cost.gradient_sync_s(rank["params"], rank["expert_params"])
     slowest = max(r["time_s"] for r in ranks)
     iteration = (microbatches + (pp - 1) / vp) * slowest + max(r["sync_s"] for r in ranks)
@@ -177,7 +186,7 @@ def auto_layout(args, log=print) -> str:
     """--pipeline-model-parallel-layout auto: the split of least predicted iteration time for
     args' model, PP and virtual stages, priced with --moe-parm-cost-profile (or the built-in
     default profile); logs the layout and each stage's predicted time and memory."""
-    from parm_trainer.moe.auto import load_profile
+    from parm_trainer.moe.auto import load_profile, profile_source
 
     profile = load_profile(args)
     cost = ModelCost(args, profile)
@@ -191,7 +200,7 @@ def auto_layout(args, log=print) -> str:
                  memory_limit_bytes=limit, tied=tied)
     layout = layout_string(runs)
     result = predict(runs, cost, pp, vp, microbatches, tied)
-    source = args.moe_parm_cost_profile or f"the built-in default profile ({profile.description})"
+    source = profile_source(args, profile)
     stages = "; ".join(f"rank {r}: {rank['time_s'] * 1e3:.2f} ms per micro-batch, "
                        f"{rank['memory_bytes'] / 2**20:.1f} MiB"
                        for r, rank in enumerate(result["ranks"]))

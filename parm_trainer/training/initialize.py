@@ -83,21 +83,18 @@ def initialize(argv=None, extra_args_provider=None, check_inputs=None):
 
 
 def report_memory(args) -> None:
-    """The start-up memory estimate per pipeline rank (args.memory_estimate_mib, and its parts
-    in args.memory_estimate_parts), checked
-    against --memory-gb on every rank before any communication."""
-    from parm_trainer.moe.auto import load_profile
-    from parm_trainer.planning.memory_estimate import MIB, describe, describe_times, estimate
+    """The start-up memory estimate per pipeline rank (args.memory_estimate:
+    memory_estimate.estimate's entries), checked against --memory-gb on every rank before any
+    communication."""
+    from parm_trainer.moe.auto import load_profile, profile_source
+    from parm_trainer.planning.memory_estimate import describe, describe_times, estimate
 
     profile = load_profile(args)
     ranks, iteration_s = estimate(args, profile)
     for line in describe(ranks):
         _print_rank_0(line)
-    source = (f"--moe-parm-cost-profile {args.moe_parm_cost_profile}"
-              if args.moe_parm_cost_profile else f"the default profile, {profile.description}")
-    _print_rank_0(describe_times(ranks, iteration_s, source))
-    args.memory_estimate_mib = [rank["total"] / MIB for rank in ranks]
-    args.memory_estimate_parts = ranks
+    _print_rank_0(describe_times(ranks, iteration_s, profile_source(args, profile)))
+    args.memory_estimate = ranks
     if args.memory_gb:
         worst = max(range(len(ranks)), key=lambda r: ranks[r]["total"])
         need = ranks[worst]["total"] / 2**30

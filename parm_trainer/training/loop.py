@@ -114,9 +114,9 @@ class Trainer:
         self.expert_tokens = (ExpertTokenCounter(self.model, args.num_layers, args.num_experts)
                               if self.num_moe_layers else None)
         self.flops = flops_per_iteration(args)
-        estimate = getattr(args, "memory_estimate_mib", None)  # initialize.report_memory's
-        self._estimate = (f" (estimate {max(estimate):.1f} MiB + the framework's own)"
-                          if estimate else "")
+        estimate = getattr(args, "memory_estimate", None)  # initialize.report_memory's
+        self._estimate = (f" (estimate {max(r['total'] for r in estimate) / 2**20:.1f} MiB + "
+                          "the framework's own)" if estimate else "")
 
     def _load(self):
         args = self.args

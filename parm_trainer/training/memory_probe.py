@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-MIB = 2 ** 20
+from parm_trainer.planning.memory_estimate import MIB
 
 
 class _Held:
@@ -105,7 +105,7 @@ def report(args, model, optimizer, activation_peak: int) -> list:
     table = torch.zeros(pp, 3, dtype=torch.float64)
     table[rank] = torch.tensor([weights, optim, activation_peak], dtype=torch.float64)
     torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.MAX)
-    estimate = getattr(args, "memory_estimate_parts", None)
+    estimate = getattr(args, "memory_estimate", None)
     lines = ["memory probe (measured at the first iteration, max over each stage's ranks):"]
     for r in range(pp):
         w, o, a = (table[r] / MIB).tolist()

@@ -90,12 +90,15 @@ def _moe_group(parser):
                         "chosen at start-up: by the cost model from --moe-parm-cost-profile, or "
                         "else measured and cached; the default), the DeepSpeed-style baseline, "
                         "or megatron-core's own dispatcher.")
-    g.add_argument("--moe-parm-exchange", choices=["exact", "padded"], default="exact",
+    g.add_argument("--moe-parm-exchange", choices=["exact", "direct", "padded"], default="exact",
                    help="s1's and s2's expert exchange: exact (each token sent once to each EP "
                         "rank holding one of its experts, in AlltoAlls of exact counts, its "
-                        "outputs summed there and sent back as one row) or padded (the "
-                        "dispatched (E, C, M) layout, every expert padded to the capacity; also "
-                        "chosen by --moe-pad-expert-input-to-capacity).")
+                        "outputs summed there and sent back as one row; where the EP group has "
+                        "several ranks on each of its nodes and top-k > 1, sent once to each "
+                        "node and forwarded inside it, two hops as DeepEP), direct (the same "
+                        "in one hop, never relayed) or padded (the dispatched (E, C, M) layout, "
+                        "every expert padded to the capacity; also chosen by "
+                        "--moe-pad-expert-input-to-capacity).")
     g.add_argument("--moe-parm-cost-profile", default=None,
                    help="Cluster cost profile (JSON) for --moe-parm-schedule auto; default: a "
                         "built-in A100 profile (assumed numbers).")
@@ -159,6 +162,10 @@ def _parallel_group(parser):
                         "max(40M, 1M x data-parallel size)).")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="Default: nccl with CUDA, gloo without.")
+    g.add_argument("--ranks-per-node", type=int, default=None,
+                   help="Ranks on each node, numbered node by node (default: LOCAL_WORLD_SIZE "
+                        "as torchrun sets it, else one node); the exact MoE exchange relays "
+                        "through nodes with it.")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="The process groups' timeout for a collective (fractions allowed: "
                         "0.5 = 30 s).")

@@ -71,6 +71,9 @@ def validate_layout(args: argparse.Namespace) -> None:
                  f"--seq-length {args.seq_length} is not divisible by --tensor-model-parallel-size "
                  f"{tp} (needed by --sequence-parallel)")
     _validate_moe(args, tp, ep, etp)
+    per_node = getattr(args, "ranks_per_node", None)
+    _require(per_node is None or (per_node >= 1 and world % per_node == 0),
+             f"--ranks-per-node {per_node} does not divide the world size {world}")
     args.data_parallel_size = world // (tp * pp)
     _validate_batch(args)
     check_interleaved_batch(args)
@@ -118,7 +121,7 @@ def _validate_moe(args, tp, ep, etp) -> None:
         _require(args.seq_length % tp == 0,
                  f"--moe-parm-schedule s1 splits tokens over MP: --seq-length {args.seq_length} "
                  f"is not divisible by --tensor-model-parallel-size {tp}")
-    if schedule == "s2" and getattr(args, "moe_parm_exchange", "padded") == "exact":
+    if schedule == "s2" and getattr(args, "moe_parm_exchange", "padded") != "padded":
         tokens = args.seq_length * args.micro_batch_size
         _require(tokens % tp == 0,
                  f"--moe-parm-schedule s2 splits the tokens over MP: {tokens} tokens "
@@ -189,7 +192,10 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     )
     consecutive_subgroup(1)
     consecutive_subgroup(torch.distributed.get_world_size() // args.pipeline_model_parallel_size)
+    from parm_trainer.moe import node_relay
     from parm_trainer.pipeline_layout import recorded_stages
+
+    node_relay.build(args)
 
     _RECORDED["stages"] = recorded_stages(args)
 
@@ -225,11 +231,18 @@ def reset_model_parallel() -> None:
     parallel_state.destroy_model_parallel()
     _SUBGROUPS.clear()
     _RECORDED.clear()
+    _forget_relay()
     if torch.distributed.is_initialized():
         world = torch.distributed.group.WORLD
         for group in list(torch.distributed.distributed_c10d._world.pg_map):
             if group is not world:
                 torch.distributed.destroy_process_group(group)
+
+
+def _forget_relay() -> None:
+    from parm_trainer.moe import node_relay
+
+    node_relay.reset()
 
 
 def destroy_distributed() -> None:
@@ -238,5 +251,6 @@ def destroy_distributed() -> None:
     parallel_state.destroy_model_parallel()
     _SUBGROUPS.clear()
     _RECORDED.clear()
+    _forget_relay()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -419,6 +419,61 @@ def test_exact_exchange_rows_match_random_routing(experts, topk, ep):
     assert shape.ep_hit() == pytest.approx(hit, abs=0.01)
 
 
+def test_relayed_exchange_rows_and_bytes():
+    """Relayed over 2 nodes of 2 EP ranks (E 8, top-3, EP 4): node_hit against drawn top-k
+    sets; over the link ("ep_link", one peer) each token once per remote node, M + R L wide,
+    M back; inside the node ("ep_node", one peer) each rank's rows, M + L wide, M back;
+    fewer link bytes than the one hop, whose AlltoAll has 2 of its 3 peers remote."""
+    rng = np.random.default_rng(1)
+    draws = np.argsort(rng.random((20000, 8)), axis=1)[:, :3]
+    one_hop = LayerShape(tokens=256, hidden=64, ffn=64, experts=8, topk=3,
+                         capacity_factor=None, ep=4, exact=True, bytes_per_element=4)
+    relayed = replace(one_hop, relay=2)
+    assert relayed.node_hit() == pytest.approx(np.isin(draws, np.arange(4)).any(axis=1).mean(),
+                                               abs=0.01)
+    assert relayed.node_hit() < 2 * relayed.ep_hit()
+    m, per_rank, per_node = 64, 256 * one_hop.ep_hit(), 256 * relayed.node_hit()
+    fwd, bwd = {s: (f, b) for s, f, b in step_bytes("s1", relayed)}["pipeline[ep,esp]"]
+    assert fwd["alltoall/ep_link"] == pytest.approx(per_node * (m + 4) * 4 + per_node * m * 4,
+                                                    abs=2)
+    # the relay forwards to its node's other rank that rank's rows from both senders at its
+    # position (itself and its peer on the other node)
+    assert fwd["alltoall/ep_node"] == pytest.approx(2 * per_rank * (m + 2) * 4
+                                                    + 2 * per_rank * m * 4, abs=2)
+    assert bwd == fwd and "alltoall/ep" not in fwd
+    direct, _ = {s: (f, b) for s, f, b in step_bytes("s1", one_hop)}["pipeline[ep,esp]"]
+    link_share = 2 / 3  # of the one hop's AlltoAll bytes, those to the other node's 2 ranks
+    assert fwd["alltoall/ep_link"] < link_share * direct["alltoall/ep"]
+
+
+def test_relay_applies_where_an_ep_group_has_ranks_on_several_nodes():
+    """node_relay.relay_size: R for EP groups with R >= 2 ranks on each of >= 2 nodes, top-k
+    >= 2 and the exact exchange; 1 (one hop) otherwise; auto's layer shape carries it."""
+    from types import SimpleNamespace
+
+    from parm_trainer.moe.auto import layer_shape
+    from parm_trainer.moe.node_relay import ep_groups, relay_size
+
+    def args(world, ep, esp, topk=2, exchange="exact", **extra):
+        return SimpleNamespace(world_size=world, expert_model_parallel_size=ep,
+                               expert_tensor_parallel_size=esp, num_experts=8,
+                               moe_router_topk=topk, moe_parm_exchange=exchange, **extra)
+
+    assert ep_groups(8, 2, 4) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert relay_size(args(4, 4, 1), 2) == 2
+    assert relay_size(args(8, 4, 2), 4) == 2      # ESP 2: {0, 2 | 4, 6}
+    assert relay_size(args(8, 4, 2), 8) == 1      # one node
+    assert relay_size(args(4, 2, 2), 2) == 1      # one EP rank per node
+    assert relay_size(args(4, 4, 1, topk=1), 2) == 1
+    assert relay_size(args(4, 4, 1, exchange="direct"), 2) == 1
+    assert relay_size(args(6, 3, 2), 4) == 1      # EP ranks 0, 2 | 4: uneven over the nodes
+    full = args(4, 4, 1, ranks_per_node=2, seq_length=16, micro_batch_size=2, hidden_size=8,
+                moe_ffn_hidden_size=8, moe_expert_capacity_factor=None, bf16=False,
+                tensor_model_parallel_size=1, sequence_parallel=False, moe_parm_chunks=1,
+                pipeline_model_parallel_size=1)
+    assert layer_shape(full).relay == 2 and layer_shape(full, per_node=4).relay == 1
+
+
 def test_exact_exchange_bytes():
     """s1's exact exchange on SHAPE (dropless): rows = N/G x ep_hit per EP rank, M + L wide
     out and M back; the ESP gather sends every held row once to the other ESP rank; no

@@ -24,7 +24,6 @@ Top-1 to top-4, dropless and with a capacity factor, run on the exact and the pa
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -33,6 +32,7 @@ import pytest
 import torch
 
 from conftest import ROOT
+from layer_bytes import check_exact_bytes, check_relay_bytes, expected_forward_bytes
 from parm_trainer.bench import peers
 from parm_trainer.moe import step_timing
 from parm_trainer.moe.schedules import build_plan
@@ -212,71 +212,13 @@ BYTES_FLAGS = {"seq-length": 64, "micro-batch-size": 2, "hidden-size": 64,
                "moe-pad-expert-input-to-capacity": True}
 
 
-def expected_forward_bytes(schedule, mp, ep, esp, sp, n, m, e, k, f):
-    """Sent bytes per rank of one forward pass, from PARM.md's volumes and comm.py's ring
-    formulas (4-byte elements): alltoall sends (W-1)/W of its input, allgather (W-1) times its
-    piece, reducescatter (W-1)/W of its input, allreduce 2 (W-1)/W."""
-    cap = math.ceil(n * k / e * f)              # baseline / s2: one gate call on N tokens
-    cap_s1 = math.ceil((n // mp) * k / e * f)   # s1: one gate call on N/G tokens
-    local = {"baseline": cap, "s1": cap_s1, "s2": cap // mp}[schedule]
-    block = e * local * m * 4                   # the dispatched (E, C_local, M) tensor
-    out = {"alltoall": 2 * block * (ep - 1) // ep}
-    if schedule == "baseline":
-        out["allreduce"] = 2 * block * (esp - 1) // esp
-    else:
-        out["allgather"] = block * (esp - 1)                   # ESP-AllGather
-        out["reducescatter"] = block * esp * (esp - 1) // esp  # ESP-ReduceScatter
-        if schedule == "s2":
-            out["allgather"] += block * (mp - 1)                # MP-AllGather of the capacity
-    tokens = (n // mp) * m * 4 * (mp - 1)  # MP-AllGather of a 1/G token slice
-    if (schedule == "s1") != sp:  # s1's output without SP; baseline's and s2's input with SP
-        out["allgather"] = out.get("allgather", 0) + tokens
-    return out, cap, cap_s1
-
-
 EXACT_BYTES = {"exact-bytes-sp": ((2, 2, 2, True), {"moe-parm-chunks": 2}),
                "exact-bytes-ep4": ((1, 4, 1, False), {"moe-router-topk": 3, "num-experts": 8,
                                                       "moe-parm-chunks": 4})}
 
 
-def check_exact_bytes(run, dump, mp, ep, esp, topk, world=4):
-    """The exact exchange's AlltoAll bytes on every rank, each direction and phase, equal the
-    unique payload counted from the routing: each token once to each other EP rank holding
-    one of its experts, hidden + E/EP weights wide, and one row of hidden back. The ESP
-    AllGather (s1 under SP: the only allgather) sends every row the rank received, incl. its
-    own, to each other ESP rank. Megatron's rank order: MP innermost for the dense layout;
-    ESP, then EP, then expert-DP for the experts."""
-    from parm_trainer.moe.reference import route
-
-    gate = torch.load(dump / "weights.pt")["gate"]
-    experts, hidden = gate.shape
-    local = experts // ep
-    mine = {}  # rank -> routing map (tokens, E) of the tokens it gates and sends
-    for d in range(world // mp):
-        _, routing = route(torch.load(dump / f"input_dp{d}.pt") @ gate.t(), topk)
-        for g, block in enumerate(routing.chunk(mp)):
-            mine[d * mp + g] = block
-    ep_of = lambda r: (r // esp) % ep  # noqa: E731
-    peer = lambda r, j: r + (j - ep_of(r)) * esp  # noqa: E731  the rank of EP index j
-    rows = {(r, j): int(mine[r][:, j * local:(j + 1) * local].any(dim=1).sum())
-            for r in range(world) for j in range(ep)}
-    assert sum(rows.values()) > world * 4  # something crosses
-    for schedule in ("s1", "s2"):
-        sent, received = run["schedules"][schedule]["bytes"], \
-            run["schedules"][schedule]["bytes_received"]
-        for r in range(world):
-            out = sum(rows[r, j] for j in range(ep) if j != ep_of(r))
-            into = sum(rows[peer(r, j), ep_of(r)] for j in range(ep) if j != ep_of(r))
-            fwd_sent = 4 * (out * (hidden + local) + into * hidden)
-            fwd_received = 4 * (into * (hidden + local) + out * hidden)
-            want = {("forward", "sent"): fwd_sent, ("forward", "received"): fwd_received,
-                    ("backward", "sent"): fwd_received, ("backward", "received"): fwd_sent}
-            for (phase, way), value in want.items():
-                got = (sent if way == "sent" else received)[phase]["alltoall"][r]
-                assert got == value, (run["name"], schedule, r, phase, way, got, value)
-            if schedule == "s1" and mp > 1 and esp > 1:
-                held = sum(rows[peer(r, j), ep_of(r)] for j in range(ep))
-                assert sent["forward"]["allgather"][r] == 4 * held * (hidden + local) * (esp - 1)
+RELAY_BYTES = {"relay-bytes": ((1, 4, 1, False), {"moe-router-topk": 3, "num-experts": 8,
+                                                  "moe-parm-chunks": 2, "ranks-per-node": 2})}
 
 
 def test_four_ranks_every_layout_chunks_and_bytes(tmp_path):
@@ -323,6 +265,14 @@ def test_four_ranks_every_layout_chunks_and_bytes(tmp_path):
         # the exact exchange's bytes against the routing (EXACT_BYTES)
         *[config(*layout, name=name, **{"schedules": "s1,s2", **extra})
           for name, (layout, extra) in EXACT_BYTES.items()],
+        # relayed through 2 "nodes" of 2 ranks (--ranks-per-node 2): every EP4 token once
+        # per node over the link; top-2 dropping, top-4 pipelined, and the relay's bytes
+        *[config(1, 4, 1, name=f"relay-{name}",
+                 **{"num-experts": 8, "ranks-per-node": 2, "schedules": "s1,s2", **extra})
+          for name, extra in (("top2-drop", {"moe-expert-capacity-factor": 1.0}),
+                              ("top4-chunks4", {"moe-router-topk": 4, "moe-parm-chunks": 4}))],
+        *[config(*layout, name=name, **{"schedules": "s1,s2", **extra})
+          for name, (layout, extra) in RELAY_BYTES.items()],
         # every plan step timed as --timing-log-level 2 times it in training
         config(2, 2, 2, sp=True, name="step-times",
                **{"step-times": True, "moe-parm-chunks": 2, "schedules": "s1,s2,megatron",
@@ -360,6 +310,9 @@ def test_four_ranks_every_layout_chunks_and_bytes(tmp_path):
     for name, (layout, extra) in EXACT_BYTES.items():
         check_exact_bytes(runs[name], tmp_path / "dump" / name, *layout[:3],
                           topk=extra.get("moe-router-topk", 2))
+    for name, (layout, extra) in RELAY_BYTES.items():
+        check_relay_bytes(runs[name], tmp_path / "dump" / name, *layout[:3],
+                          topk=extra["moe-router-topk"], per_node=extra["ranks-per-node"])
     auto = runs["peers-auto"]["schedules"]["auto"]
     # no cost profile: measured on this layout as a training run does at start-up
     assert auto["auto_choice"].startswith("--moe-parm-schedule auto --moe-parm-chunks 0:")
@@ -415,10 +368,18 @@ def test_eight_ranks(tmp_path):
                           **(PRE_SOFTMAX if k == 1 else {})})
                 for k, r, f in ((1, 4, None), (2, 2, 1.0), (3, 1, None), (4, 4, 1.25),
                                 (4, 2, None))]
-    runs, _ = run_launch(8, configs, tmp_path, timeout=300)
+    # relayed with ESP 2: EP groups {0, 2, 4, 6} and {1, 3, 5, 7} on 2 "nodes" of 4 ranks
+    configs += [config(2, 4, 2, sp=sp, name=f"relay-top{k}-r{r}{'-sp' if sp else ''}",
+                       **{"num-experts": 8, "moe-router-topk": k, "moe-parm-chunks": r,
+                          "moe-expert-capacity-factor": f, "ranks-per-node": 4,
+                          "schedules": "s1,s2"})
+                for k, r, f, sp in ((2, 2, 1.0, True), (3, 4, None, False))]
+    runs, _ = run_launch(8, configs, tmp_path, timeout=300, dump=tmp_path / "dump")
     problems, checked = check_correct(configs, runs)
     assert not problems, "\n".join(problems)
-    assert checked >= 28
+    assert checked >= 32
+    check_relay_bytes(runs["relay-top3-r4"], tmp_path / "dump" / "relay-top3-r4", 2, 4, 2,
+                      topk=3, per_node=4, world=8)
     assert runs["mp2-ep2-esp2"]["config"]["data_parallel_size"] == 4
 
 

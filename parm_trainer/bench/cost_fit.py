@@ -23,7 +23,7 @@ def layer_shape(config: dict, bytes_per_element: int = 4) -> LayerShape:
                       ep=c["expert_model_parallel_size"], esp=c["expert_tensor_parallel_size"],
                       sequence_parallel=c["sequence_parallel"], chunks=c["moe_parm_chunks"],
                       dp=c.get("data_parallel_size", 1),
-                      exact=c.get("moe_parm_exchange", "padded") == "exact")
+                      exact=c.get("moe_parm_exchange", "padded") != "padded")
 
 
 # a step of each layer term for the finite differences of parts(): factors, then seconds

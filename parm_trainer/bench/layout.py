@@ -27,8 +27,14 @@ def sync():
 
 
 def _layout_key(args):
+    """What the process groups depend on: the sizes, and where the exact exchange relays
+    through nodes (node_relay.build makes its groups with the others)."""
+    from parm_trainer.moe import node_relay
+
+    per_node = node_relay.ranks_per_node(args)
     return (args.tensor_model_parallel_size, args.expert_model_parallel_size,
-            args.expert_tensor_parallel_size, args.pipeline_model_parallel_size)
+            args.expert_tensor_parallel_size, args.pipeline_model_parallel_size, per_node,
+            node_relay.relay_size(args, per_node))
 
 
 def set_layout(args) -> None:
@@ -76,8 +82,11 @@ def max_over_ranks(value: float) -> float:
 
 
 def node_of(rank: int) -> int:
-    """The node of a rank: torchrun's LOCAL_WORLD_SIZE ranks per node (all on one without)."""
-    return rank // int(os.environ.get("LOCAL_WORLD_SIZE", torch.distributed.get_world_size()))
+    """The node of a rank: --ranks-per-node, else torchrun's LOCAL_WORLD_SIZE ranks per node
+    (all on one without)."""
+    from parm_trainer.moe.node_relay import node_of as placed
+
+    return placed(rank)
 
 
 def leave(status: int) -> None:

@@ -12,11 +12,15 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
+from parm_trainer.moe import node_relay
 from parm_trainer.moe.cost_model import (DEFAULT_PROFILE, LayerShape, Profile, ProfileError,
                                          price_schedules)
 
 
-def layer_shape(args) -> LayerShape:
+def layer_shape(args, per_node=None) -> LayerShape:
+    """The MoE layer of args' model on its layout; per_node: ranks per node (default: this
+    job's, node_relay.ranks_per_node), which decides whether the exact exchange relays."""
+    relay = node_relay.relay_size(args, per_node or node_relay.ranks_per_node(args))
     return LayerShape(
         tokens=args.seq_length * args.micro_batch_size, hidden=args.hidden_size,
         ffn=args.moe_ffn_hidden_size, experts=args.num_experts, topk=args.moe_router_topk,
@@ -24,7 +28,8 @@ def layer_shape(args) -> LayerShape:
         mp=args.tensor_model_parallel_size, ep=args.expert_model_parallel_size,
         esp=args.expert_tensor_parallel_size, sequence_parallel=args.sequence_parallel,
         chunks=args.moe_parm_chunks,
-        exact=args.moe_parm_exchange == "exact", gated=bool(getattr(args, "swiglu", False)),
+        exact=args.moe_parm_exchange != "padded", gated=bool(getattr(args, "swiglu", False)),
+        relay=relay,
         dp=args.world_size // (args.tensor_model_parallel_size
                                * args.pipeline_model_parallel_size))
 

@@ -58,7 +58,10 @@ inside the pipeline's overlap instead, it could not tell r = 2 from r = 4 on 8 p
 cores, where more pieces measured up to 50 % slower.)
 Exact exchange (LayerShape.exact, exchange.py): no capacity; a rank sends each EP rank the
 expected tokens x ep_hit() rows of M + L values (L = E/EP routing weights) and gets one row of
-M back for each; see _exact_step_load. Not priced: the one-scalar all-reduce that agrees the
+M back for each; see _exact_step_load. Relayed (LayerShape.relay = R > 1, node_relay.py): each
+node gets tokens x node_hit() rows of M + R L over the link ("ep_link", one EP rank per node),
+and the in-node AlltoAlls ("ep_node") forward the same rows per EP rank as the one hop would
+send, priced on the main thread beside the ESP gather and scatter. Not priced: the one-scalar all-reduce that agrees the
 padded exchange's dropless capacity; expert loads are taken at their means (the slowest rank's
 excess over the mean is not priced).
 
@@ -109,6 +112,8 @@ class LayerShape:
     # counts) or padded (the (E, C, M) layout). The baseline is always padded.
     exact: bool = False
     gated: bool = False  # SwiGLU: fc1 is 2H wide, three H x M matrices per expert
+    # R: EP ranks per node the exact exchange relays through (node_relay.py); 1: one hop
+    relay: int = 1
 
     @property
     def matrices(self) -> int:
@@ -121,6 +126,12 @@ class LayerShape:
         local = self.experts // self.ep
         return 1.0 - math.comb(self.experts - local, self.topk) / math.comb(self.experts,
                                                                            self.topk)
+
+    def node_hit(self) -> float:
+        """ep_hit for the R L experts of one node (relayed: rows per destination node)."""
+        held = self.relay * (self.experts // self.ep)
+        return 1.0 - math.comb(self.experts - held, self.topk) / math.comb(self.experts,
+                                                                          self.topk)
 
     def capacity(self, n: int, multiple: int = 1) -> int:
         """Slots per expert for one gate call on n tokens (rounded up to `multiple` when
@@ -144,8 +155,11 @@ class LayerShape:
         return math.ceil(slots / multiple) * multiple
 
     def group(self, name: str) -> tuple:
-        """(size, rank stride) of group "mp", "ep" or "esp"."""
-        return {"mp": (self.mp, 1), "esp": (self.esp, 1), "ep": (self.ep, self.esp)}[name]
+        """(size, rank stride) of group "mp", "ep" or "esp", or of the relay's hops "ep_link"
+        (one EP rank per node) and "ep_node" (the R EP ranks of a node)."""
+        return {"mp": (self.mp, 1), "esp": (self.esp, 1), "ep": (self.ep, self.esp),
+                "ep_link": (self.ep // self.relay, self.esp * self.relay),
+                "ep_node": (self.relay, self.esp)}[name]
 
 
 def remote_share(size: int, stride: int, gpus_per_node: int) -> float:
@@ -465,17 +479,30 @@ def _exact_step_load(step: Step, s: LayerShape, held: Held, coll, need) -> tuple
         return StepLoad(moved=(n + rows * s.ep) * s.hidden * b), held
     need(s.experts % s.ep == 0, f"{s.experts} experts do not split over EP {s.ep}")
     need(s.ffn % s.esp == 0, f"ffn {s.ffn} does not split over ESP {s.esp}")
-    received = rows * s.ep  # rows this rank holds after the outbound AlltoAll
+    received = rows * s.ep  # rows this rank holds after the outbound AlltoAll (or both hops)
     wide, narrow = (s.hidden + local) * b, s.hidden * b
-    out, back = coll("alltoall", "ep", received * wide), coll("alltoall", "ep", received * narrow)
+    if s.relay > 1:  # over the link once per node, R L weights wide; forwarded in the node
+        nodes, linked = s.ep // s.relay, n * s.node_hit() * (s.ep // s.relay)
+        link_wide = (s.hidden + s.relay * local) * b
+        out, back = (coll("alltoall", "ep_link", linked * link_wide),
+                     coll("alltoall", "ep_link", linked * narrow))
+        hop, hop_back = (coll("alltoall", "ep_node", received * wide),
+                         coll("alltoall", "ep_node", received * narrow))
+        need(nodes * s.relay == s.ep, f"EP {s.ep} is not {s.relay} ranks on each node")
+    else:
+        out, back = coll("alltoall", "ep", received * wide), coll("alltoall", "ep",
+                                                                   received * narrow)
+        hop = hop_back = ()
     ag, rs = coll("allgather", "esp", received * wide), \
         coll("reducescatter", "esp", s.esp * received * narrow)
     ag_dual, rs_dual = coll("allgather", "esp", received * narrow), \
         coll("reducescatter", "esp", s.esp * received * wide)
     gather = coll("allgather", "mp", n * narrow) if "mp" in step.group.split(",") else ()
     pairs, h = s.esp * n * s.topk, s.ffn // s.esp  # expert rows after the ESP gather
-    load = StepLoad(forward=(out, ag, rs, back, gather),
-                    backward=(back, ag_dual, rs_dual, out, ()), pipeline=True, chunks=pieces,
+    # the in-node hops run on the main thread, with the ESP gather and scatter
+    load = StepLoad(forward=(out, hop + ag, rs + hop_back, back, gather),
+                    backward=(back, hop_back + ag_dual, rs_dual + hop, out, ()),
+                    pipeline=True, chunks=pieces,
                     flops=2 * pairs * s.hidden * h * s.matrices, moved=2 * pairs * h * b)
     return load, replace(held, tokens=n * s.mp if gather else n)
 
@@ -529,12 +556,12 @@ def _pipeline_cost(load: StepLoad, shape: LayerShape, profile: Profile) -> tuple
     comm_factor, compute_factor, host, per_call = profile.layer
     r = load.chunks
 
-    def chunk(coll):  # (alpha + call cost, transfer) of one chunk's share of a collective
-        if not coll:
-            return 0.0, 0.0
-        (kind, group, sent), = coll
-        alpha, beta = profile.price(kind, shape, group)
-        return alpha * comm_factor, sent / r * beta * comm_factor
+    def chunk(colls):  # (alpha, transfer) of one chunk's share of its collectives
+        alpha = transfer = 0.0
+        for kind, group, sent in colls:
+            a, beta = profile.price(kind, shape, group)
+            alpha, transfer = alpha + a * comm_factor, transfer + sent / r * beta * comm_factor
+        return alpha, transfer
 
     work = _work_s(load.flops / r, load.moved / r, profile) * compute_factor
     phases = []
@@ -563,7 +590,7 @@ def calls(colls: tuple, load: StepLoad) -> int:
     """Collective calls of one phase of a step: the pipeline step makes one of each of its
     collectives per piece."""
     if load.pipeline:
-        return sum(1 for c in colls if c) * load.chunks
+        return sum(len(c) for c in colls) * load.chunks
     return len(colls)
 
 

@@ -20,6 +20,15 @@ k times and its k outputs sent back. This one sends what the routing needs and n
 
 Every piece's outbound AlltoAll is issued at once and later pieces travel while earlier ones
 compute, as in the padded exchange; the backward mirrors it (comm.start/finish).
+
+Relayed (node_relay.py: an EP group with R >= 2 ranks on each of N >= 2 nodes, top-k >= 2;
+--moe-parm-exchange direct turns it off), step 2 sends each token once to each node holding
+one of its experts, to the EP rank at this rank's position there, with the R L weights of
+that node's experts (ledger group "ep_link"); that rank forwards each row inside its node
+(AlltoAll-v over the node's EP ranks, "ep_node") to the ranks whose experts it names, with
+their L weights, and sums their returned rows into one before the AlltoAll-v back over the
+link. The counts of both hops come from the one AllGather of step 3 (rows per EP rank and
+per node of every sender). The in-node hop runs on the main thread, inside the pipeline.
 """
 
 from __future__ import annotations
@@ -58,40 +67,82 @@ class _Piece:
     offset: int
     size: int
     token: torch.Tensor  # (rows,) token of each row sent, rows ordered by destination
-    weights: torch.Tensor  # (rows, L) the destination's local weights of that token
-    send: list           # rows to each EP rank
-    recv: list = None    # rows from each EP rank
+    weights: torch.Tensor  # (rows, L or R L) the destination's local weights of that token
+    per_rank: torch.Tensor  # (EP,) tokens that go to each EP rank
+    send: list           # rows to each destination of the first hop (EP ranks, or nodes)
+    recv: list = None    # rows from each of them
     esp: list = None     # rows each ESP rank receives (the ESP AllGather's counts)
+    fwd_send: list = None  # relayed: rows forwarded to each EP rank of this node
+    fwd_recv: list = None  # relayed: rows forwarded to this rank by each EP rank of its node
 
 
-def _pieces(routed: Routed, ep: int, chunks: int) -> list:
+def _pieces(routed: Routed, ep: int, chunks: int, relay) -> list:
+    """The pieces' rows: to each EP rank its tokens, or relayed (relay: node_relay.NodeRelay)
+    to each node its tokens, with the weights of every expert on that node."""
     n, experts = routed.weights.shape
     local = routed.weights.view(n, ep, experts // ep)
     goes = (local >= 0).any(dim=-1)  # (n, EP): the token goes to some expert of that rank
+    hop = local if relay is None else routed.weights.view(n, relay.nodes, -1)
+    hop_goes = goes if relay is None else goes.view(n, relay.nodes, -1).any(dim=-1)
     pieces = []
     for offset, size in comm.chunk_spans(n, chunks):
-        dest, token = goes.narrow(0, offset, size).t().nonzero(as_tuple=True)
+        dest, token = hop_goes.narrow(0, offset, size).t().nonzero(as_tuple=True)
         token = token + offset
-        pieces.append(_Piece(offset, size, token, local[token, dest],
-                             torch.bincount(dest, minlength=ep)))
+        pieces.append(_Piece(offset, size, token, hop[token, dest], goes.narrow(
+            0, offset, size).sum(dim=0), torch.bincount(dest, minlength=hop.shape[1])))
     return pieces
 
 
-def _agree_counts(pieces: list, ep: int, esp: int, me_ep: int, me_esp: int) -> None:
-    """Fill each piece's recv and esp counts from one AllGather of every rank's send counts
-    over the EP x ESP group (each row tagged with its sender's EP and ESP ranks)."""
-    sends = torch.stack([p.send for p in pieces]).to(torch.int64)  # (P, EP), on the device
-    local = torch.cat([torch.tensor([me_ep, me_esp], dtype=torch.int64, device=sends.device),
-                       sends.view(-1)])  # NCCL gathers device tensors only
+def _agree_counts(pieces: list, ep: int, esp: int, me_ep: int, me_esp: int, relay) -> None:
+    """Fill each piece's receive counts (and, relayed, its in-node forwarding counts) from one
+    AllGather over the EP x ESP group of every rank's rows per EP rank (and per node), each
+    row tagged with its sender's EP and ESP ranks."""
+    per_rank = torch.stack([p.per_rank for p in pieces]).to(torch.int64)  # (P, EP)
+    per_hop = torch.stack([p.send for p in pieces]).to(torch.int64)  # (P, EP or N)
+    hops = per_hop.shape[1]
+    local = torch.cat([torch.tensor([me_ep, me_esp], dtype=torch.int64, device=per_rank.device),
+                       per_rank.view(-1), per_hop.view(-1)])  # NCCL gathers device tensors
     rows = cu.gather_counts(local, parallel_state.get_expert_tensor_and_model_parallel_group())
-    rows, sends = rows.cpu(), sends.cpu()
-    table = torch.zeros(ep, esp, len(pieces), ep, dtype=torch.int64)
-    table[rows[:, 0], rows[:, 1]] = rows[:, 2:].view(-1, len(pieces), ep)
-    into_me = table[..., me_ep]  # (EP sender, ESP rank, P): rows sent to EP rank me_ep
+    rows, per_hop = rows.cpu(), per_hop.cpu()
+    count = len(pieces)
+    table = torch.zeros(ep, esp, count, ep, dtype=torch.int64)  # sender's rows per EP rank
+    table[rows[:, 0], rows[:, 1]] = rows[:, 2:2 + count * ep].view(-1, count, ep)
+    into_me = table[..., me_ep]  # (EP sender, ESP rank, P): rows for EP rank me_ep
+    if relay is not None:
+        by_node = torch.zeros(ep, esp, count, hops, dtype=torch.int64)  # sender's rows per node
+        by_node[rows[:, 0], rows[:, 1]] = rows[:, 2 + count * ep:].view(-1, count, hops)
+        per, node, pos = relay.per_node, relay.node_of(me_ep), relay.position_of(me_ep)
+        at = lambda position: [a * per + position for a in range(relay.nodes)]  # noqa: E731
+        mine = table[at(pos), me_esp]  # (N senders at my position, P, EP)
     for i, piece in enumerate(pieces):
-        piece.send = sends[i].tolist()
-        piece.recv = into_me[:, me_esp, i].tolist()
+        piece.send = per_hop[i].tolist()
         piece.esp = into_me[:, :, i].sum(dim=0).tolist()
+        if relay is None:
+            piece.recv = into_me[:, me_esp, i].tolist()
+            continue
+        piece.recv = by_node[at(pos), me_esp, i, node].tolist()
+        piece.fwd_send = mine[:, i, node * per:(node + 1) * per].sum(dim=0).tolist()
+        piece.fwd_recv = [int(into_me[at(j), me_esp, i].sum()) for j in range(per)]
+
+
+def _forward_in_node(rows, piece, relay, hidden):
+    """The relay's in-node hop: each row received over the link (M + R L wide) to each EP rank
+    of this node whose experts it names, with that rank's L weights. Returns the rows this
+    rank receives and, to sum the outputs back, the row each forwarded one came from."""
+    weights = rows[:, hidden:].view(rows.shape[0], relay.per_node, -1)
+    rank, row = (weights >= 0).any(dim=-1).t().nonzero(as_tuple=True)
+    payload = torch.cat([rows[row, :hidden], weights[row, rank]], dim=-1)
+    me = relay.position_of(parallel_state.get_expert_model_parallel_rank())
+    counts = cu.counts_of("alltoall", me, send=piece.fwd_send, recv=piece.fwd_recv)
+    return cu.run(payload, counts, relay.intra, "ep_node"), row
+
+
+def _back_in_node(out, row, received: int, piece, relay):
+    """The in-node hop back: each forwarded row's output to the relay, summed per link row."""
+    me = relay.position_of(parallel_state.get_expert_model_parallel_rank())
+    back = cu.run(out, cu.counts_of("alltoall", me, send=piece.fwd_recv, recv=piece.fwd_send),
+                  relay.intra, "ep_node")
+    return back.new_zeros(received, back.shape[1]).index_add(0, row, back)
 
 
 def _experts_on_rows(layer, rows, hidden):
@@ -115,23 +166,31 @@ def exchange(layer, routed: Routed, gather_mp: bool):
     me_ep = parallel_state.get_expert_model_parallel_rank()
     me_esp = parallel_state.get_expert_tensor_parallel_rank()
     tokens, hidden = routed.tokens, routed.tokens.shape[1]
-    pieces = _pieces(routed, ep, layer.chunks)
+    relay = layer.relay
+    pieces = _pieces(routed, ep, layer.chunks, relay)
     if not pieces:
         return tokens.new_zeros(tokens.shape[0] * (layer.mp_size if gather_mp else 1), hidden)
-    _agree_counts(pieces, ep, esp, me_ep, me_esp)
+    _agree_counts(pieces, ep, esp, me_ep, me_esp, relay)
+    link, me_link, name = ((ep_group, me_ep, "ep") if relay is None
+                           else (relay.inter, relay.node_of(me_ep), "ep_link"))
     outbound = []
     for p in pieces:
         payload = torch.cat([tokens[p.token], p.weights.to(tokens.dtype)], dim=-1)
-        counts = cu.counts_of("alltoall", me_ep, send=p.send, recv=p.recv)
-        outbound.append(cu.start(payload, counts, ep_group, "ep"))
+        counts = cu.counts_of("alltoall", me_link, send=p.send, recv=p.recv)
+        outbound.append(cu.start(payload, counts, link, name))
     inbound = []
     for p, started in zip(pieces, outbound):
-        rows = cu.run(comm.finish(started), cu.counts_of("allgather", me_esp, counts=p.esp),
-                      esp_group, "esp")
+        rows = comm.finish(started)
+        if relay is not None:
+            received = rows.shape[0]
+            rows, came_from = _forward_in_node(rows, p, relay, hidden)
+        rows = cu.run(rows, cu.counts_of("allgather", me_esp, counts=p.esp), esp_group, "esp")
         out = _experts_on_rows(layer, rows, hidden)
         out = cu.run(out, cu.counts_of("reducescatter", me_esp, counts=p.esp), esp_group, "esp")
-        back = cu.counts_of("alltoall", me_ep, send=p.recv, recv=p.send)
-        inbound.append(cu.start(out, back, ep_group, "ep"))
+        if relay is not None:
+            out = _back_in_node(out, came_from, received, p, relay)
+        back = cu.counts_of("alltoall", me_link, send=p.recv, recv=p.send)
+        inbound.append(cu.start(out, back, link, name))
     combined = []
     for p, started in zip(pieces, inbound):
         rows = comm.finish(started)

@@ -4,7 +4,9 @@ megatron-core's MoELayer fixes where the gate sits relative to the MP split; Par
 this layer owns the whole forward and executes a Plan (schedules.py) step by step.
 
 s1's and s2's expert exchange is exact by default (exchange.py): each token crosses to each
-EP rank once, in AlltoAlls of exact counts, and comes back summed over that rank's experts;
+EP rank once, in AlltoAlls of exact counts, and comes back summed over that rank's experts
+(where an EP group has several ranks on each of its nodes, once to each node, forwarded inside
+it: node_relay.py; --moe-parm-exchange direct keeps one hop);
 dispatch then only marks the kept (token, expert) pairs, s2's split_capacity keeps this MP
 rank's block of the tokens, and the exchange itself adds the rows into their tokens (the
 combine step has nothing left to do). With exchange "padded" (--moe-parm-exchange padded, or
@@ -26,12 +28,12 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import get_capacity, router_gating_linear
 from megatron.core.transformer.spec_utils import build_module
 
-from parm_trainer.moe import comm, step_timing
+from parm_trainer.moe import comm, node_relay, step_timing
 from parm_trainer.moe.exchange import Routed, exchange, route
 from parm_trainer.moe.schedules import build_plan
 from parm_trainer.parallel import consecutive_subgroup
 
-EXCHANGES = ("exact", "padded")
+EXCHANGES = ("exact", "direct", "padded")
 
 
 def _stage_group():
@@ -64,10 +66,14 @@ class ParmMoELayer(MegatronModule):
         self.chunks = chunks
         if exchange not in EXCHANGES:
             raise ValueError(f"--moe-parm-exchange {exchange!r}: choose one of {EXCHANGES}")
-        self.exact = exchange == "exact" and schedule != "baseline"  # DeepSpeed's TED pads
+        self.exact = exchange != "padded" and schedule != "baseline"  # DeepSpeed's TED pads
         self.groups = {"mp": parallel_state.get_tensor_model_parallel_group(),
                        "ep": parallel_state.get_expert_model_parallel_group(),
                        "esp": parallel_state.get_expert_tensor_parallel_group()}
+        # "exact" relays through a node where an EP group has several ranks on each of its nodes
+        self.relay = node_relay.current() if self.exact and exchange == "exact" else None
+        if self.relay is not None:  # the two hops' groups, by the names the ledger gives them
+            self.groups.update(ep_link=self.relay.inter, ep_node=self.relay.intra)
         self.mp_size = comm.group_size(self.groups["mp"])
         self.ep_size = comm.group_size(self.groups["ep"])
         self.num_experts = config.num_moe_experts

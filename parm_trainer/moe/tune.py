@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from parm_trainer.moe import node_relay
+
 WARMUP, TIMED = 1, 3
 
 
@@ -45,7 +47,7 @@ def _key(args, candidates) -> str:
     torch.distributed.all_gather_object(hosts, socket.gethostname())
     device = (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     return json.dumps({
-        "world": world, "per_node": int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+        "world": world, "per_node": node_relay.ranks_per_node(args),
         "backend": torch.distributed.get_backend(), "device": device,
         "hosts": sorted(set(hosts)),
         "layout": [args.tensor_model_parallel_size, args.expert_model_parallel_size,

@@ -137,7 +137,8 @@ class ModelCost:
         from parm_trainer.moe.auto import CHUNK_CHOICES, layer_shape
 
         a = self.args
-        shape = replace(layer_shape(a), bytes_per_element=self.e)
+        shape = replace(layer_shape(a, per_node=self.profile.gpus_per_node),
+                        bytes_per_element=self.e)
         options = ([self.moe_schedule] if self.moe_schedule else
                    [(s, r) for s in ("s1", "s2") for r in CHUNK_CHOICES])
         best = None

@@ -36,7 +36,9 @@ its MP gather. Backward: the same with the returns' grads first (the AllGather's
 ReduceScatter and back), the expert's work doubled and no MP traffic (each MP rank keeps its
 block of the replicated grad). r = 1 is the sum of it all, each collective after the other.
 
-Compute: flops priced alpha + flops*beta; the backward costs twice the forward.
+Compute: flops priced calls * alpha + flops*beta, one alpha per GEMM call (the expert step
+makes 2 per local expert, fc1 and fc2; the pipeline step that many per piece, so a deeper
+pipeline pays more of them); the backward costs twice the forward.
     expert: 2 * rows * M * (H/ESP) * 2 (fc1 and fc2; * 3 with SwiGLU's gated fc1, 2H wide),
             rows = E*c slots, E*c*ESP in the
             exchange after its ESP gather (padding included: the executor runs the expert on
@@ -126,6 +128,11 @@ class LayerShape:
         local = self.experts // self.ep
         return 1.0 - math.comb(self.experts - local, self.topk) / math.comb(self.experts,
                                                                            self.topk)
+
+    def expert_gemms(self) -> int:
+        """GEMM calls of one expert pass on a rank: fc1 and fc2 of each local expert (megatron's
+        SequentialMLP runs them one expert after the other; SwiGLU's fc1 is one 2H-wide call)."""
+        return 2 * (self.experts // self.ep)
 
     def node_hit(self) -> float:
         """ep_hit for the R L experts of one node (relayed: rows per destination node)."""
@@ -378,6 +385,7 @@ class StepLoad:
     flops: float = 0.0  # forward; the backward is priced at twice the forward
     moved: float = 0.0  # bytes read + written by memory-bound work, forward (backward twice)
     pipeline: bool = False  # the "pipeline" step: collectives (out, ag, rs, back[, gather])
+    gemms: int = 1  # GEMM calls in the forward (per piece in the pipeline), each paying alpha
 
 
 def sent_bytes(kind: str, nbytes: int, world: int) -> int:
@@ -439,7 +447,8 @@ def step_load(step: Step, shape: LayerShape, held: Held) -> tuple:
     if op == "expert":
         need(s.ffn % s.esp == 0, f"ffn {s.ffn} does not split over ESP {s.esp}")
         rows, h = s.experts * c, s.ffn // s.esp
-        return StepLoad(flops=2 * rows * s.hidden * h * s.matrices, moved=2 * rows * h * b), held
+        return StepLoad(flops=2 * rows * s.hidden * h * s.matrices, moved=2 * rows * h * b,
+                        gemms=s.expert_gemms()), held
     if op == "pipeline":  # a2a, ESP gather, expert, ESP scatter, a2a back [, MP gather]
         need(s.experts % s.ep == 0, f"{s.experts} experts do not split over EP {s.ep}")
         need(s.ffn % s.esp == 0, f"ffn {s.ffn} does not split over ESP {s.esp}")
@@ -451,7 +460,7 @@ def step_load(step: Step, shape: LayerShape, held: Held) -> tuple:
         expert, _ = step_load(Step("expert"), shape, replace(held, capacity=c * s.esp))
         load = StepLoad(forward=(a2a, ag, rs, a2a, gather), backward=(a2a, rs, ag, a2a, ()),
                         pipeline=True, chunks=max(1, min(s.chunks, c)),
-                        flops=expert.flops, moved=expert.moved)
+                        flops=expert.flops, moved=expert.moved, gemms=expert.gemms)
         return load, replace(held, capacity=c * s.mp if gather else c)
     raise ValueError(f"unknown plan step {step}")
 
@@ -502,7 +511,7 @@ def _exact_step_load(step: Step, s: LayerShape, held: Held, coll, need) -> tuple
     # the in-node hops run on the main thread, with the ESP gather and scatter
     load = StepLoad(forward=(out, hop + ag, rs + hop_back, back, gather),
                     backward=(back, hop_back + ag_dual, rs_dual + hop, out, ()),
-                    pipeline=True, chunks=pieces,
+                    pipeline=True, chunks=pieces, gemms=s.expert_gemms(),
                     flops=2 * pairs * s.hidden * h * s.matrices, moved=2 * pairs * h * b)
     return load, replace(held, tokens=n * s.mp if gather else n)
 
@@ -540,9 +549,10 @@ def _phase_s(colls: tuple, shape: LayerShape, profile: Profile) -> float:
     return seconds
 
 
-def _work_s(flops: float, moved: float, profile: Profile) -> float:
-    """Compute and memory seconds of flops and bytes moved (the isolated prices)."""
-    seconds = profile.compute[0] + flops * profile.compute[1] if flops else 0.0
+def _work_s(flops: float, moved: float, profile: Profile, gemms: int = 1) -> float:
+    """Compute and memory seconds of flops in `gemms` GEMM calls and bytes moved (the
+    isolated prices)."""
+    seconds = gemms * profile.compute[0] + flops * profile.compute[1] if flops else 0.0
     if moved and profile.memory is not None:
         seconds += profile.memory[0] + moved * profile.memory[1]
     return seconds
@@ -563,7 +573,7 @@ def _pipeline_cost(load: StepLoad, shape: LayerShape, profile: Profile) -> tuple
             alpha, transfer = alpha + a * comm_factor, transfer + sent / r * beta * comm_factor
         return alpha, transfer
 
-    work = _work_s(load.flops / r, load.moved / r, profile) * compute_factor
+    work = _work_s(load.flops / r, load.moved / r, profile, load.gemms) * compute_factor
     phases = []
     for colls, weight in ((load.forward, 1), (load.backward, 2)):
         out, ag, rs, back, tail = (chunk(c) for c in colls)
@@ -578,7 +588,7 @@ def step_cost(step: Step, shape: LayerShape, profile: Profile, held: Held) -> tu
     load, _ = step_load(step, shape, held)
     if load.pipeline:
         return _pipeline_cost(load, shape, profile)
-    compute = _work_s(load.flops, load.moved, profile)
+    compute = _work_s(load.flops, load.moved, profile, load.gemms)
     comm_factor, compute_factor, host, per_call = profile.layer
     compute = compute * compute_factor + host
     return tuple(_phase_s(colls, shape, profile) * comm_factor + per_call * calls(colls, load)

@@ -28,6 +28,9 @@ LAYOUTS = {
     "tp2_ep2_esp2_s2": (4, {**TP2_EP2_ESP2_SP, "moe-parm-schedule": "s2",
                             "overlap-grad-reduce": True, "ddp-bucket-size": 4000}),
     "tp2_ep2_esp2_baseline": (4, {**TP2_EP2_ESP2_SP, "moe-parm-schedule": "baseline"}),
+    # EP 4 over 2 "nodes" of 2 ranks: the exact exchange relays (one link hop per node)
+    "ep4_relayed": (4, {"expert-model-parallel-size": 4, "ranks-per-node": 2,
+                        "moe-parm-schedule": "s2", "moe-parm-chunks": 2}),
     "tp2_ep2_esp2_megatron": (4, {**TP2_EP2_ESP2_SP, "moe-parm-schedule": "megatron"}),
     # without sequence parallelism s1 splits the replicated tokens itself; two-piece exchange;
     # every step timed (--timing-log-level 2 must not change what is computed)
@@ -60,6 +63,8 @@ def test_first_five_losses_match_single_rank(layout, reference, gpt_data, tmp_pa
     assert_trains_like(run, reference)
     if "memory-probe" in flags:
         assert_memory_as_estimated(run, stages=1)
+    if "ranks-per-node" in flags:  # the relay ran: its in-node hop's groups were built
+        assert "exchange relayed through 2 nodes of 2 EP ranks" in run.output
     if "timing-log-level" in flags:
         check_timing_report(run.output, flags)
         check_plots(tmp_path, run)

@@ -78,8 +78,20 @@ def initialize(argv=None, extra_args_provider=None, check_inputs=None):
         check_inputs(args)
     cpu.apply()
     initialize_distributed(args)
+    _report_relay()
     tune_at_startup(args, log=_print_rank_0)
     return args
+
+
+def _report_relay() -> None:
+    from parm_trainer.moe import node_relay
+
+    relay = node_relay.current()
+    if relay is not None:
+        _print_rank_0(f"MoE exchange relayed through {relay.nodes} nodes of {relay.per_node} EP "
+                      f"ranks ({node_relay.ranks_per_node()} ranks per node): each token crosses"
+                      " the node link once per destination node (--moe-parm-exchange direct: "
+                      "one hop to each EP rank)")
 
 
 def report_memory(args) -> None:

@@ -476,7 +476,8 @@ def _exact_step_load(step: Step, s: LayerShape, held: Held, coll, need) -> tuple
     op, b, n = step.op, s.bytes_per_element, held.tokens
     local, pieces = s.experts // s.ep, max(1, min(s.chunks, n))
     if op == "dispatch":
-        counts = coll("allgather", "ep", (2 + pieces * s.ep) * 8)
+        per_piece = s.ep + (s.ep // s.relay if s.relay > 1 else 0)  # relayed: per node too
+        counts = coll("allgather", "ep", (2 + pieces * per_piece) * 8)
         return StepLoad(forward=counts, moved=n * s.experts * 4), held
     if op == "split_capacity":
         need(n % s.mp == 0, f"{n} tokens do not split over MP {s.mp}")

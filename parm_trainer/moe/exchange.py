@@ -100,8 +100,9 @@ def _agree_counts(pieces: list, ep: int, esp: int, me_ep: int, me_esp: int, rela
     per_rank = torch.stack([p.per_rank for p in pieces]).to(torch.int64)  # (P, EP)
     per_hop = torch.stack([p.send for p in pieces]).to(torch.int64)  # (P, EP or N)
     hops = per_hop.shape[1]
-    local = torch.cat([torch.tensor([me_ep, me_esp], dtype=torch.int64, device=per_rank.device),
-                       per_rank.view(-1), per_hop.view(-1)])  # NCCL gathers device tensors
+    parts = [torch.tensor([me_ep, me_esp], dtype=torch.int64, device=per_rank.device),
+             per_rank.view(-1)] + ([per_hop.view(-1)] if relay is not None else [])
+    local = torch.cat(parts)  # NCCL gathers device tensors only
     rows = cu.gather_counts(local, parallel_state.get_expert_tensor_and_model_parallel_group())
     rows, per_hop = rows.cpu(), per_hop.cpu()
     count = len(pieces)

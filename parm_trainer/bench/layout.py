@@ -81,14 +81,6 @@ def max_over_ranks(value: float) -> float:
     return t.item()
 
 
-def node_of(rank: int) -> int:
-    """The node of a rank: --ranks-per-node, else torchrun's LOCAL_WORLD_SIZE ranks per node
-    (all on one without)."""
-    from parm_trainer.moe.node_relay import node_of as placed
-
-    return placed(rank)
-
-
 def leave(status: int) -> None:
     """End the process now: every rank is past the final barrier and rank 0's files are
     written, so skip the interpreter's teardown of megatron's (and DeepSpeed's) many process

@@ -63,9 +63,9 @@ expected tokens x ep_hit() rows of M + L values (L = E/EP routing weights) and g
 M back for each; see _exact_step_load. Relayed (LayerShape.relay = R > 1, node_relay.py): each
 node gets tokens x node_hit() rows of M + R L over the link ("ep_link", one EP rank per node),
 and the in-node AlltoAlls ("ep_node") forward the same rows per EP rank as the one hop would
-send, priced on the main thread beside the ESP gather and scatter. Not priced: the one-scalar all-reduce that agrees the
-padded exchange's dropless capacity; expert loads are taken at their means (the slowest rank's
-excess over the mean is not priced).
+send, priced on the main thread beside the ESP gather and scatter. Not priced: the one-scalar
+all-reduce that agrees the padded exchange's dropless capacity; expert loads are taken at their
+means (the slowest rank's excess over the mean is not priced).
 
 Over 500 lines on purpose: this docstring is the model's specification, and the loads
 (step_load), their prices and the plan walk that it describes read as one with it, beside the
@@ -125,9 +125,7 @@ class LayerShape:
         """The chance that a token's k distinct experts, drawn uniformly, include one of a
         given EP rank's E/EP: 1 - C(E - L, k) / C(E, k). Expected rows one rank sends to
         each EP rank in the exact exchange: tokens x ep_hit."""
-        local = self.experts // self.ep
-        return 1.0 - math.comb(self.experts - local, self.topk) / math.comb(self.experts,
-                                                                           self.topk)
+        return self._hit(self.experts // self.ep)
 
     def expert_gemms(self) -> int:
         """GEMM calls of one expert pass on a rank: fc1 and fc2 of each local expert (megatron's
@@ -136,7 +134,9 @@ class LayerShape:
 
     def node_hit(self) -> float:
         """ep_hit for the R L experts of one node (relayed: rows per destination node)."""
-        held = self.relay * (self.experts // self.ep)
+        return self._hit(self.relay * (self.experts // self.ep))
+
+    def _hit(self, held: int) -> float:
         return 1.0 - math.comb(self.experts - held, self.topk) / math.comb(self.experts,
                                                                           self.topk)
 

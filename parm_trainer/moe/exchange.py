@@ -87,9 +87,10 @@ def _pieces(routed: Routed, ep: int, chunks: int, relay) -> list:
     pieces = []
     for offset, size in comm.chunk_spans(n, chunks):
         dest, token = hop_goes.narrow(0, offset, size).t().nonzero(as_tuple=True)
-        token = token + offset
-        pieces.append(_Piece(offset, size, token, hop[token, dest], goes.narrow(
-            0, offset, size).sum(dim=0), torch.bincount(dest, minlength=hop.shape[1])))
+        send = torch.bincount(dest, minlength=hop.shape[1])
+        per_rank = send if relay is None else goes.narrow(0, offset, size).sum(dim=0)
+        pieces.append(_Piece(offset, size, token + offset, hop[token + offset, dest], per_rank,
+                             send))
     return pieces
 
 
@@ -112,7 +113,7 @@ def _agree_counts(pieces: list, ep: int, esp: int, me_ep: int, me_esp: int, rela
     if relay is not None:
         by_node = torch.zeros(ep, esp, count, hops, dtype=torch.int64)  # sender's rows per node
         by_node[rows[:, 0], rows[:, 1]] = rows[:, 2 + count * ep:].view(-1, count, hops)
-        per, node, pos = relay.per_node, relay.node_of(me_ep), relay.position_of(me_ep)
+        per, node, pos = relay.per_node, relay.node, relay.position
         at = lambda position: [a * per + position for a in range(relay.nodes)]  # noqa: E731
         mine = table[at(pos), me_esp]  # (N senders at my position, P, EP)
     for i, piece in enumerate(pieces):
@@ -133,16 +134,15 @@ def _forward_in_node(rows, piece, relay, hidden):
     weights = rows[:, hidden:].view(rows.shape[0], relay.per_node, -1)
     rank, row = (weights >= 0).any(dim=-1).t().nonzero(as_tuple=True)
     payload = torch.cat([rows[row, :hidden], weights[row, rank]], dim=-1)
-    me = relay.position_of(parallel_state.get_expert_model_parallel_rank())
-    counts = cu.counts_of("alltoall", me, send=piece.fwd_send, recv=piece.fwd_recv)
+    counts = cu.counts_of("alltoall", relay.position, send=piece.fwd_send,
+                          recv=piece.fwd_recv)
     return cu.run(payload, counts, relay.intra, "ep_node"), row
 
 
 def _back_in_node(out, row, received: int, piece, relay):
     """The in-node hop back: each forwarded row's output to the relay, summed per link row."""
-    me = relay.position_of(parallel_state.get_expert_model_parallel_rank())
-    back = cu.run(out, cu.counts_of("alltoall", me, send=piece.fwd_recv, recv=piece.fwd_send),
-                  relay.intra, "ep_node")
+    back = cu.run(out, cu.counts_of("alltoall", relay.position, send=piece.fwd_recv,
+                                    recv=piece.fwd_send), relay.intra, "ep_node")
     return back.new_zeros(received, back.shape[1]).index_add(0, row, back)
 
 
@@ -173,7 +173,7 @@ def exchange(layer, routed: Routed, gather_mp: bool):
         return tokens.new_zeros(tokens.shape[0] * (layer.mp_size if gather_mp else 1), hidden)
     _agree_counts(pieces, ep, esp, me_ep, me_esp, relay)
     link, me_link, name = ((ep_group, me_ep, "ep") if relay is None
-                           else (relay.inter, relay.node_of(me_ep), "ep_link"))
+                           else (relay.inter, relay.node, "ep_link"))
     outbound = []
     for p in pieces:
         payload = torch.cat([tokens[p.token], p.weights.to(tokens.dtype)], dim=-1)

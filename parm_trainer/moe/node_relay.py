@@ -33,14 +33,10 @@ import torch
 class NodeRelay:
     nodes: int     # N: nodes this rank's EP group spans
     per_node: int  # R: its EP ranks on each
-    inter: object  # process group of the link hop (size N; index = node)
-    intra: object  # process group of the in-node hop (size R; index = position)
-
-    def node_of(self, ep_rank: int) -> int:
-        return ep_rank // self.per_node
-
-    def position_of(self, ep_rank: int) -> int:
-        return ep_rank % self.per_node
+    node: int      # this rank's node among them (its index in `inter`)
+    position: int  # this rank's position on its node (its index in `intra`)
+    inter: object  # process group of the link hop (size N)
+    intra: object  # process group of the in-node hop (size R)
 
 
 _STATE: dict = {}
@@ -56,7 +52,7 @@ def ranks_per_node(args=None) -> int:
         int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or args.world_size
 
 
-def node_of(rank: int) -> int:
+def node_of_rank(rank: int) -> int:
     """The node of a global rank, as this job's layout places it."""
     return rank // ranks_per_node()
 
@@ -99,29 +95,27 @@ def build(args) -> None:
 
     _STATE.clear()
     _STATE["per_node"] = ranks_per_node(args)
-    world = torch.distributed.get_world_size()
-    ep, esp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
-    if relay_size(args, _STATE["per_node"]) == 1:
+    per = relay_size(args, _STATE["per_node"])
+    if per == 1:
         return
-    groups = ep_groups(world, esp, ep)
-    found = layout(groups, _STATE["per_node"])
+    ep, esp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    groups = ep_groups(torch.distributed.get_world_size(), esp, ep)
     mine = torch.distributed.get_process_group_ranks(
         parallel_state.get_expert_model_parallel_group())
-    me = torch.distributed.get_rank()
     if mine not in groups:
         raise RuntimeError(f"EP group {mine} is not megatron-core's expert rank order {groups}")
-    nodes, per = found
+    nodes, me = ep // per, mine.index(torch.distributed.get_rank())  # me: this rank's EP index
     inter = intra = None
     for ranks in groups:
         for pos in range(per):  # the link hop: position pos on every node
             group = torch.distributed.new_group([ranks[node * per + pos] for node in range(nodes)])
-            if me in ranks and ranks.index(me) % per == pos:
+            if ranks == mine and pos == me % per:
                 inter = group
         for node in range(nodes):  # the in-node hop
             group = torch.distributed.new_group(ranks[node * per:(node + 1) * per])
-            if me in ranks and ranks.index(me) // per == node:
+            if ranks == mine and node == me // per:
                 intra = group
-    _STATE["relay"] = NodeRelay(nodes, per, inter, intra)
+    _STATE["relay"] = NodeRelay(nodes, per, me // per, me % per, inter, intra)
 
 
 def current() -> Optional[NodeRelay]:

@@ -72,13 +72,14 @@ def test_relayed_exchange_rows_and_bytes():
     assert fwd["alltoall/ep_link"] < link_share * direct["alltoall/ep"]
 
 
-def test_relay_applies_where_an_ep_group_has_ranks_on_several_nodes():
+def test_relay_applies_where_an_ep_group_has_ranks_on_several_nodes(monkeypatch):
     """node_relay.relay_size: R for EP groups with R >= 2 ranks on each of >= 2 nodes, top-k
-    >= 2 and the exact exchange; 1 (one hop) otherwise; auto's layer shape carries it."""
+    >= 2 and the exact exchange; 1 (one hop) otherwise; auto's layer shape carries it, from
+    --ranks-per-node or else LOCAL_WORLD_SIZE."""
     from types import SimpleNamespace
 
     from parm_trainer.moe.auto import layer_shape
-    from parm_trainer.moe.node_relay import ep_groups, relay_size
+    from parm_trainer.moe.node_relay import ep_groups, ranks_per_node, relay_size
 
     def args(world, ep, esp, topk=2, exchange="exact", **extra):
         return SimpleNamespace(world_size=world, expert_model_parallel_size=ep,
@@ -98,6 +99,12 @@ def test_relay_applies_where_an_ep_group_has_ranks_on_several_nodes():
                 tensor_model_parallel_size=1, sequence_parallel=False, moe_parm_chunks=1,
                 pipeline_model_parallel_size=1)
     assert layer_shape(full).relay == 2 and layer_shape(full, per_node=4).relay == 1
+    # without --ranks-per-node: torchrun's LOCAL_WORLD_SIZE says how ranks sit on nodes
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    full.ranks_per_node = None
+    assert ranks_per_node(full) == 2 and layer_shape(full).relay == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert ranks_per_node(full) == 4 and layer_shape(full).relay == 1
 
 
 def test_exact_exchange_bytes():

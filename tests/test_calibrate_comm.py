@@ -48,6 +48,11 @@ def test_two_rank_calibration_writes_loadable_profile(tmp_path):
     gemm = data["fit"]["compute"]
     assert len(gemm["points"]) >= 4 and gemm["r2"] <= 1.0 and "compute" in result.stdout
     assert profile.memory[0] >= 0 and profile.memory[1] > 0 and data["fit"]["memory"]["points"]
+    # the GEMMs again with 1 and with 2 ranks computing, over both at once (link_sharing.py);
+    # one node: no link sharing to measure
+    assert [k for k, _ in profile.compute_concurrency] == [1, 2]
+    assert profile.compute_concurrency[-1][1] == 1.0 and profile.compute_concurrency[0][1] > 0
+    assert profile.node_links is None and "compute time with k ranks" in result.stdout
 
 
 def test_groups_and_node_share():

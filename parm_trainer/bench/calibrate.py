@@ -6,6 +6,7 @@ least squares (fit). calibration_report.py turns the fits into a cost Profile.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from parm_trainer.moe.cost_model import KINDS, fit_alpha_beta, sent_bytes
+from parm_trainer.moe.link_sharing import link_flows
 
 R2_MIN = 0.95
 ALPHA_FLOOR = 1e-9   # s
@@ -53,16 +55,18 @@ def _op(kind, x, group, world):
     raise ValueError(kind)
 
 
-def time_call(call, repeats, warmup, device, calls, group=None) -> float:
+def time_call(call, repeats, warmup, device, calls, group=None, active=True) -> float:
     """Median seconds of one call: --warmup untimed calls, then `repeats` samples, each after a
     barrier on the group and the mean of `calls` back-to-back calls; a sample's time is the
-    slowest rank's."""
-    for _ in range(warmup):
+    slowest rank's. A rank not `active` joins the barriers and the MAX but calls nothing."""
+    for _ in range(warmup if active else 0):
         call()
     _sync(device)
     times = torch.zeros(repeats, dtype=torch.float64, device=device)
     for i in range(repeats):
         dist.barrier(group=group)
+        if not active:
+            continue
         _sync(device)
         t0 = time.perf_counter()
         for _ in range(calls):
@@ -73,11 +77,11 @@ def time_call(call, repeats, warmup, device, calls, group=None) -> float:
     return statistics.median(times.cpu().tolist())
 
 
-def measure(group, sizes, repeats, warmup, device, calls=1):
+def measure(group, sizes, repeats, warmup, device, calls=1, kinds=KINDS):
     """{kind: [(sent bytes, median seconds)]} on `group` (every rank of it calls this)."""
     world = dist.get_world_size(group)
     out = {}
-    for kind in KINDS:
+    for kind in kinds:
         points = []
         for size in sizes:
             x = torch.ones(_tensor_bytes(kind, size, world) // 4, dtype=torch.float32,
@@ -140,6 +144,48 @@ def measure_local(cases, repeats, warmup, device, calls):
     return points
 
 
+def measure_concurrency(repeats, warmup, device, calls) -> list:
+    """[(k, time factor)]: the two largest GEMM cases timed with ranks 0..k-1 computing at
+    once and the others waiting (k = 1, 2, 4, ... and the world), over the time with every
+    rank computing. Ranks that share cores compute faster while fewer do (link_sharing.py);
+    on GPUs the factors are about 1."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cases = sorted(gemm_cases(device), key=lambda case: case[0])[-2:]
+    counts = sorted({min(2 ** i, world) for i in range(world.bit_length() + 1)})
+    seconds = {}
+    for k in counts:
+        seconds[k] = sum(time_call(call, repeats, warmup, device, calls, active=rank < k)
+                         for _, call in cases)
+    return [(k, seconds[k] / seconds[world]) for k in counts]
+
+
+def flow_groups(world, per_node, flows) -> list:
+    """AllReduce groups across nodes that put `flows` flows on each node's link at once: with
+    flows > 1, one ring of a rank per node for each position in the node; with 1, only the
+    ring of the first position (the other ranks wait)."""
+    nodes = world // per_node
+    rings = [[p + j * per_node for j in range(nodes)] for p in range(per_node)]
+    return rings if flows > 1 else rings[:1]
+
+
+def measure_link_sharing(inter_groups, args, device, per_node) -> tuple:
+    """(flows of the "inter" calibration, [(flows, AllReduce points)] with 1 flow and with a
+    node's ranks' worth per node link), or (flows, []) where there is one rank per node."""
+    world = dist.get_world_size()
+    flows = link_flows(inter_groups, per_node)
+    if per_node < 2 or world // per_node < 2:
+        return flows, []
+    quick = argparse.Namespace(sizes=args.sizes, repeats=max(3, args.repeats // 2),
+                               warmup=1, calls=1)
+    out = []
+    for count in (1, per_node):
+        _, points = measure_groups(flow_groups(world, per_node, count), quick, device,
+                                   kinds=("allreduce",))
+        out.append((link_flows(flow_groups(world, per_node, count), per_node),
+                    points["allreduce"]))
+    return flows, out
+
+
 def calibration_groups(world, per_node, group_size=None) -> dict:
     """{link: [rank lists]} measured at once. Without group_size: the whole world (inter when
     it spans nodes) and, across nodes, every node's ranks (intra). With it: consecutive blocks
@@ -184,33 +230,44 @@ def node_share(groups, per_node) -> float:
     return busiest * remote_peers(groups, per_node)
 
 
-def measure_groups(groups, args, device):
+def measure_groups(groups, args, device, kinds=KINDS):
     """(group size, {kind: points}) over `groups` (lists of ranks) measured at once, each
     point the slowest group's."""
     if groups == [list(range(dist.get_world_size()))]:
         return len(groups[0]), measure(dist.group.WORLD, args.sizes, args.repeats,
-                                       args.warmup, device, args.calls)
+                                       args.warmup, device, args.calls, kinds)
     members = sorted(r for g in groups for r in g)
     extra = [[r] for r in range(dist.get_world_size()) if r not in members]
     mine, _ = dist.new_subgroups_by_enumeration(groups + extra)
     size = dist.get_world_size(mine)
     if size > 1:
-        points = measure(mine, args.sizes, args.repeats, args.warmup, device, args.calls)
+        points = measure(mine, args.sizes, args.repeats, args.warmup, device, args.calls,
+                         kinds)
     else:
-        points = {k: [(0, 0.0)] * len(args.sizes) for k in KINDS}
-    flat = torch.tensor([[t for _, t in points[k]] for k in KINDS], dtype=torch.float64,
+        points = {k: [(0, 0.0)] * len(args.sizes) for k in kinds}
+    flat = torch.tensor([[t for _, t in points[k]] for k in kinds], dtype=torch.float64,
                         device=device)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX)
     size = len(groups[0])
     sent = {k: [sent_bytes(k, _tensor_bytes(k, b, size), size) for b in args.sizes]
-            for k in KINDS}
-    return size, {k: list(zip(sent[k], flat[i].cpu().tolist())) for i, k in enumerate(KINDS)}
+            for k in kinds}
+    return size, {k: list(zip(sent[k], flat[i].cpu().tolist())) for i, k in enumerate(kinds)}
 
 
-def fit(points):
-    """(alpha, beta, r2, clamped) from [(sent bytes, seconds)]."""
+def fit(points, relative: bool = False):
+    """(alpha, beta, r2, clamped) from [(sent bytes, seconds)]. relative: least squares of
+    the relative errors, so that every size counts alike (the memory rate: its largest,
+    cache-missing sizes vary up to 3 x between calibrations on shared cores, and would set
+    the rate alone); r2 is of the raw points either way."""
     x = np.array([p[0] for p in points], dtype=float)
     y = np.array([p[1] for p in points], dtype=float)
+    spread = float(np.sum((y - y.mean()) ** 2))
+    if relative and np.all(y > 0):
+        design = np.stack([1.0 / y, x / y], axis=1)
+        (alpha, beta), *_ = np.linalg.lstsq(design, np.ones_like(y), rcond=None)
+        if alpha > 0 and beta > 0:
+            residual = float(np.sum((y - alpha - beta * x) ** 2))
+            return float(alpha), float(beta), 1.0 - residual / spread if spread else 1.0, False
     alpha, beta, r2 = fit_alpha_beta(x, y)
     clamped = False
     if alpha <= 0 or beta <= 0:  # least squares under alpha, beta >= 0: on the boundary
@@ -221,21 +278,21 @@ def fit(points):
         else:         # no size dependence seen: beta at its floor, alpha the mean time
             beta = BETA_FLOOR
             alpha = max(float(np.mean(y - beta * x)), ALPHA_FLOOR)
-        spread = float(np.sum((y - y.mean()) ** 2))
         r2 = 1.0 - float(np.sum((y - alpha - beta * x) ** 2)) / spread if spread else 1.0
     return float(alpha), float(beta), float(r2), clamped
 
 
 def calibrate(args, device, per_node):
     """Everything calibrate_comm measures, on every rank: (measured {link: (group size,
-    {kind: points})}, local {"compute"|"memory": points}, node_share per link, remote_peers per
+    {kind: points})}, local {"compute"|"memory": points, "concurrency": [(k, factor)],
+    "link_sharing": (inter flows, [(flows, points)])}, node_share per link, remote_peers per
     link)."""
     from parm_trainer.progress import Progress
 
     world = dist.get_world_size()
     measured, shares, remote = {}, {}, {}
     links = calibration_groups(world, per_node, args.group_size)
-    progress = Progress(len(links) + 2, "calibrate_comm", enabled=dist.get_rank() == 0)
+    progress = Progress(len(links) + 4, "calibrate_comm", enabled=dist.get_rank() == 0)
     for link, groups in links.items():
         measured[link] = measure_groups(groups, args, device)
         shares[link], remote[link] = node_share(groups, per_node), remote_peers(groups, per_node)
@@ -244,4 +301,10 @@ def calibrate(args, device, per_node):
     for name, cases in (("compute", gemm_cases), ("memory", memory_cases)):
         local[name] = measure_local(cases(device), args.repeats, args.warmup, device, args.calls)
         progress.done(f"{name} rate")
+    local["concurrency"] = measure_concurrency(max(3, args.repeats // 2), 1, device,
+                                               max(1, args.calls // 2))
+    progress.done("compute with fewer ranks at once")
+    local["link_sharing"] = (measure_link_sharing(links["inter"], args, device, per_node)
+                             if "inter" in links else (1, []))
+    progress.done("link sharing (AllReduce with 1 and more flows per node)")
     return measured, local, shares, remote

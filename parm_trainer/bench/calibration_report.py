@@ -11,6 +11,7 @@ import sys
 
 from parm_trainer.bench.calibrate import R2_MIN, fit
 from parm_trainer.moe.cost_model import KINDS, LINKS, Profile
+from parm_trainer.moe.link_sharing import links_from
 
 
 def report(args, backend, world, per_node, hosts, measured, local, shares, remote) -> int:
@@ -47,11 +48,20 @@ def report(args, backend, world, per_node, hosts, measured, local, shares, remot
                                  "clamped": clamped, "measured": src == link,
                                  "group_size": measured[src][0],
                                  "points": [[b, s] for b, s in measured[src][1][kind]]}
-    local_fits = {name: fit(points) for name, points in local.items()}
+    local_fits = {name: fit(local[name], relative=name == "memory")
+                  for name in ("compute", "memory")}
+    inter_flows, flow_points = local.get("link_sharing", (1, []))
+    node_links, flow_fits = None, []
+    if flow_points:
+        flow_fits = [(flows, fit(points)) for flows, points in flow_points]
+        (low, low_fit), (high, high_fit) = flow_fits
+        node_links = round(links_from(low, low_fit[1], high, high_fit[1]), 2)
+    concurrency = tuple((k, round(f, 3)) for k, f in local.get("concurrency", ()))
     # gloo gives each process group two worker threads (ProcessGroupGloo's default), so two
     # started collectives of one group run at once; NCCL runs them in order on its stream
     profile = Profile(gpus_per_node=per_node, collectives=collectives,
-                      lanes=2 if backend == "gloo" else 1,
+                      lanes=2 if backend == "gloo" else 1, node_links=node_links,
+                      inter_flows=max(1, inter_flows), compute_concurrency=concurrency,
                       compute=local_fits["compute"][:2], memory=local_fits["memory"][:2],
                       name=args.name, description="; ".join(notes), world_size=world)
     data = json.loads(profile.to_json())
@@ -59,6 +69,9 @@ def report(args, backend, world, per_node, hosts, measured, local, shares, remot
         rate = ("TFLOPs", 1e12) if name == "compute" else ("GBps", 1e9)
         extra[name] = {"alpha_us": alpha * 1e6, rate[0]: 1.0 / beta / rate[1], "r2": r2,
                        "clamped": clamped, "points": [list(p) for p in local[name]]}
+    extra["link_sharing"] = [{"flows_per_node": flows, "GBps": 1.0 / f[1] / 1e9, "r2": f[2],
+                               "points": flow_points[i][1]}
+                              for i, (flows, f) in enumerate(flow_fits)]
     data["fit"] = extra
     out_dir = os.path.dirname(os.path.abspath(args.output))
     os.makedirs(out_dir, exist_ok=True)
@@ -87,6 +100,15 @@ def report(args, backend, world, per_node, hosts, measured, local, shares, remot
               f"   ({unit})")
         if r2 < R2_MIN:
             bad.append(f"{name} r^2={r2:.3f}")
+    for flows, f in flow_fits:
+        print(f"{'allreduce':<14}{'inter':<7}{2:>6}{f[0] * 1e6:>12.2f}{1.0 / f[1] / 1e9:>12.4g}"
+              f"{f[2]:>8.3f}   ({flows} flow(s) per node link)")
+    if node_links is not None:
+        print(f"node links: {node_links:g} flows at full rate (the 'inter' rates were measured "
+              f"with {inter_flows} per node)")
+    if concurrency:
+        print("compute time with k ranks computing at once, over all at once: "
+              + ", ".join(f"k={k}: {f:.2f}" for k, f in concurrency))
     for note in notes[2:]:
         print(f"note: {note}")
     print(f"wrote {args.output}")

@@ -82,6 +82,8 @@ from typing import Optional
 
 import numpy as np
 
+from parm_trainer.moe.link_sharing import (concurrency_factor, link_flows, remote_share_of,
+                                           sharing, tiled_groups)
 from parm_trainer.moe.plan import Plan, Step
 from parm_trainer.moe.schedules import build_plan
 
@@ -175,12 +177,7 @@ def remote_share(size: int, stride: int, gpus_per_node: int) -> float:
     every group is inside a node, 1 when no two members share one."""
     if size < 2:
         return 0.0
-    block, worst = size * stride, 0.0
-    for start in range(0, math.lcm(block, gpus_per_node), block):
-        for first in range(start, start + stride):
-            nodes = [(first + i * stride) // gpus_per_node for i in range(size)]
-            worst = max(worst, max(sum(n != m for m in nodes) for n in nodes) / (size - 1))
-    return worst
+    return remote_share_of(tiled_groups(size, stride, gpus_per_node), gpus_per_node)
 
 
 class ProfileError(ValueError):
@@ -208,6 +205,13 @@ class Profile:
     # gloo 2 (two worker threads per group), so two started AlltoAlls share the link and land
     # together. The pipeline's arrivals (pipeline_s) depend on it.
     lanes: int = 1
+    # Shared links and cores (link_sharing.py): a node's links (flows at full rate; None: one
+    # per rank, nothing shared), the flows per node link the "inter" rates were measured with,
+    # and ((ranks computing at once, compute time factor), ...) relative to the calibration's
+    # all-at-once rate (empty: no sharing).
+    node_links: Optional[float] = None
+    inter_flows: int = 1
+    compute_concurrency: tuple = ()
 
     def price(self, kind: str, shape: LayerShape, group: str) -> tuple:
         """(alpha s, beta s per byte sent) of collective `kind` on the layer's `group`. An
@@ -218,12 +222,33 @@ class Profile:
         inter-node rate."""
         return self.rate(kind, *shape.group(group))
 
-    def rate(self, kind: str, size: int, stride: int = 1) -> tuple:
+    def rate(self, kind: str, size: int, stride: int = 1, groups: list = None) -> tuple:
         """price() for any group of `size` ranks at `stride` (consecutive groups tiling the
-        ranks)."""
-        share = remote_share(size, stride, self.gpus_per_node)
+        ranks, all running at once), or for the explicit `groups` running at once. A ring
+        collective across nodes pays the link sharing of its flows (link_sharing.py) over the
+        calibration's."""
+        groups = groups or tiled_groups(size, stride, self.gpus_per_node)
+        share = remote_share_of(groups, self.gpus_per_node)
         alpha, beta = self.collectives[kind]["inter" if share > 0 else "intra"]
-        return alpha, beta * share if kind == "alltoall" and share > 0 else beta
+        if share == 0:
+            return alpha, beta
+        if kind == "alltoall":
+            return alpha, beta * share
+        links = self.node_links or self.gpus_per_node
+        flows = link_flows(groups, self.gpus_per_node)
+        return alpha, beta * sharing(flows, links) / sharing(self.inter_flows, links)
+
+    def concurrency(self, ranks: float) -> float:
+        """The compute time factor with `ranks` ranks computing at once (1: as calibrated)."""
+        return concurrency_factor(self.compute_concurrency, ranks)
+
+    def scaled_compute(self, factor: float) -> "Profile":
+        """This profile with compute and memory work (alpha and beta: on shared cores the
+        host's part slows down too) `factor` times as long."""
+        if factor == 1.0:
+            return self
+        memory = None if self.memory is None else tuple(v * factor for v in self.memory)
+        return replace(self, compute=tuple(v * factor for v in self.compute), memory=memory)
 
     def to_json(self, path: Optional[str] = None) -> str:
         """Exact alpha/beta in seconds; written to `path` too when given."""
@@ -240,6 +265,12 @@ class Profile:
             data["world_size"] = self.world_size
         if self.lanes != 1:
             data["lanes"] = self.lanes
+        if self.node_links is not None:
+            data["node_links"] = self.node_links
+        if self.inter_flows != 1:
+            data["inter_flows"] = self.inter_flows
+        if self.compute_concurrency:
+            data["compute_concurrency"] = [list(p) for p in self.compute_concurrency]
         text = json.dumps(data, indent=2)
         if path:
             with open(path, "w") as f:
@@ -252,8 +283,9 @@ class Profile:
         "beta": s/byte} or, for hand-written cluster files, {"alpha_us": us, "GBps": GB/s}
         (compute: {"alpha_us", "TFLOPs"}; memory: {"alpha_us", "GBps"}). Top-level keys:
         gpus_per_node, collectives, compute (required); memory, layer (some of
-        "comm_factor", "compute_factor", "host_s_per_step", "s_per_call"), lanes, name,
-        description, world_size, notes, fit (optional). Anything else, a
+        "comm_factor", "compute_factor", "host_s_per_step", "s_per_call"), lanes, node_links,
+        inter_flows, compute_concurrency ([[ranks, factor], ...]), name, description,
+        world_size, notes, fit (optional). Anything else, a
         missing entry, or a negative, zero-rate or non-finite number raises ProfileError."""
         where = "cost profile"
         if not source.lstrip().startswith("{"):
@@ -271,7 +303,8 @@ class Profile:
 
 
 _TOP_KEYS = {"gpus_per_node", "collectives", "compute", "memory", "layer", "lanes", "name",
-             "description", "world_size", "notes", "fit"}
+             "description", "world_size", "notes", "fit", "node_links", "inter_flows",
+             "compute_concurrency"}
 
 
 def _profile_from_dict(data, where: str) -> Profile:
@@ -314,12 +347,33 @@ def _profile_from_dict(data, where: str) -> Profile:
     if not all(math.isfinite(v) for v in layer) or min(layer[:2]) <= 0 or min(layer[2:]) < 0:
         raise bad(f"layer factors must be > 0 and host_s_per_step, s_per_call >= 0, got "
                   f"{data['layer']!r}")
+    links, flows, concurrency = _sharing_entries(data, bad)
     return Profile(gpus_per_node=gpus, collectives=collectives, layer=layer, lanes=lanes,
+                   node_links=links, inter_flows=flows, compute_concurrency=concurrency,
                    compute=_pair(data["compute"], "TFLOPs", 1e12, f"{where}: compute"),
                    memory=(_pair(data["memory"], "GBps", 1e9, f"{where}: memory")
                            if "memory" in data else None),
                    name=str(data.get("name", "custom")),
                    description=str(data.get("description", "")), world_size=world)
+
+
+def _sharing_entries(data, bad) -> tuple:
+    """(node_links, inter_flows, compute_concurrency) of a profile's JSON, checked."""
+    links = data.get("node_links")
+    if links is not None and (isinstance(links, bool) or not isinstance(links, (int, float))
+                              or not math.isfinite(links) or links < 1):
+        raise bad(f"node_links must be a number >= 1, got {links!r}")
+    flows = data.get("inter_flows", 1)
+    if not isinstance(flows, int) or isinstance(flows, bool) or flows < 1:
+        raise bad(f"inter_flows must be a positive integer, got {flows!r}")
+    points = data.get("compute_concurrency", [])
+    try:
+        points = tuple((int(r), float(f)) for r, f in points)
+    except (TypeError, ValueError):
+        raise bad(f"compute_concurrency must be [[ranks, factor], ...], got {points!r}") from None
+    if any(r < 1 or not (math.isfinite(f) and f > 0) for r, f in points):
+        raise bad(f"compute_concurrency needs ranks >= 1 and factors > 0, got {points!r}")
+    return (None if links is None else float(links)), flows, points
 
 
 def _pair(entry, rate_key: str, unit: float, where: str) -> tuple:

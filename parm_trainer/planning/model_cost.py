@@ -74,10 +74,13 @@ class ModelCost:
         self.moe_choice = None  # what moe_mlp picked: (name, "rN")
 
     # --- primitives ----------------------------------------------------------------------------
-    def coll(self, kind: str, nbytes: float, size: int, stride: int = 1) -> float:
+    def coll(self, kind: str, nbytes: float, size: int, stride: int = 1,
+             groups: list = None) -> float:
+        """One collective of a group of `size` at `stride` (all such groups at once), or of
+        the explicit `groups` at once."""
         if size < 2:
             return 0.0
-        alpha, beta = self.profile.rate(kind, size, stride)
+        alpha, beta = self.profile.rate(kind, size, stride, groups)
         return alpha + sent_bytes(kind, int(nbytes), size) * beta
 
     def gemm(self, flops: float, calls: int = 1) -> float:
@@ -224,11 +227,33 @@ class ModelCost:
         return [self.embedding(), *layers, self.head()]
 
     # --- per stage --------------------------------------------------------------------------
-    def p2p_s(self) -> float:
-        """One activation (or its gradient) between adjacent stages."""
+    def scaled(self, factor: float) -> "ModelCost":
+        """This pricing with compute work `factor` times as long (Profile.scaled_compute), the
+        MoE layers on the schedule and depth already chosen."""
+        if factor == 1.0:
+            return self
+        schedule = self.moe_schedule or (self.moe_choice and
+                                         (self.moe_choice[0], int(self.moe_choice[1][1:])))
+        return ModelCost(self.args, self.profile.scaled_compute(factor), schedule)
+
+    def stage_pairs(self, a: int, b: int) -> list:
+        """The rank pairs of pipeline ranks a and b (each position in the stage), which
+        exchange at once."""
+        size = self.args.world_size // self.pp
+        return [[a * size + i, b * size + i] for i in range(size)]
+
+    def p2p_s(self, a: int = 0, b: int = 1) -> float:
+        """One activation (or its gradient) between pipeline ranks a and b."""
         nbytes = self.n * self.args.hidden_size * self.e / (self.tp if self.sp else 1)
-        stride = self.args.world_size // self.pp
-        return self.coll("allgather", nbytes, 2, stride)
+        return self.coll("allgather", nbytes, 2, groups=self.stage_pairs(a, b))
+
+    def embedding_sync_s(self) -> float:
+        """megatron's all-reduce of the tied word embedding's fp32 gradient between the first
+        and the last pipeline rank (their embedding group), after the DP reduction."""
+        if self.pp < 2:
+            return 0.0
+        return self.coll("allreduce", self.vocab * self.args.hidden_size / self.tp * 4, 2,
+                         groups=self.stage_pairs(0, self.pp - 1))
 
     def gradient_sync_s(self, params: float, expert_params: float) -> float:
         """The DP all-reduce of a stage's fp32 gradients (dense over DP, experts over the

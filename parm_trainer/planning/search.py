@@ -103,7 +103,7 @@ def _priced(trial, profile, tp, ep, esp, pp, vp, dp, memory_limit_bytes) -> list
     ranks = result["ranks"]
     slowest = max(r["time_s"] for r in ranks)
     parts = {"stage compute and MP/EP traffic": microbatches * slowest,
-             "pipeline bubble": (pp - 1) / vp * slowest,
+             "pipeline bubble": max(0.0, sum(result["steps_s"]) - microbatches * slowest),
              "gradient sync and optimizer": max(r["sync_s"] for r in ranks)}
     memory = max(r["memory_bytes"] for r in ranks)
     if memory_limit_bytes is not None and memory > memory_limit_bytes:

@@ -13,8 +13,12 @@ stages per rank (interleaved 1F1B) the pieces are split into P x V chunks the sa
 megatron places chunk c on rank c mod P.
 
 Iteration time (predict): with t_r a rank's time per micro-batch (its chunks, plus the P2P
-transfers at its boundaries) and m micro-batches, (m + (P - 1) / V) x max t_r, plus the
-slowest rank's gradient reduction and optimizer step.
+transfers at its chunk boundaries, each priced for the rank pairs that cross it at once) and m
+micro-batches, the schedule's m V + P - 1 steps of max t_r / V (_pipeline_steps: in warm-up
+and cool-down fewer stages compute, which is faster where ranks share cores), plus the slowest
+rank's gradient reduction (with a tied embedding, the first and last ranks' all-reduce of its
+gradient too) and optimizer step. Nothing shared, that is (m + (P - 1) / V) x max t_r plus the
+reduction.
 """
 
 from __future__ import annotations
@@ -154,18 +158,7 @@ def predict(runs: list, cost: ModelCost, pp: int, vp: int, microbatches: int,
     memory_bytes (= weights_grads_bytes + optimizer_bytes + activation_bytes, the last with
     in_flight micro-batches held at the rank's peak), params, expert_params, sync_s}],
     "iteration_s"}."""
-    ranks = [{"time_s": 0.0, "compute_s": 0.0, "params": 0.0, "expert_params": 0.0}
-             for _ in range(pp)]
-    p2p = cost.p2p_s()
-    for c, run in enumerate(runs):
-        rank = ranks[c % pp]
-        boundaries = (c > 0) + (c < len(runs) - 1)
-        compute = sum(p.total_s for p in run)
-        rank["compute_s"] += compute
-        rank["time_s"] += compute + 2 * boundaries * p2p
-        params, experts = _stage_params(run, tied)
-        rank["params"] += params
-        rank["expert_params"] += experts
+    ranks = _rank_times(runs, cost, pp, tied)
     for r, rank in enumerate(ranks):  # the peak over the schedule of the chunks' live sum
         per_chunk = [sum(p.activation_bytes for p in runs[v * pp + r]) for v in range(vp)]
         peak = max(live_micro_batches(pp, vp, microbatches, r),
@@ -177,9 +170,82 @@ def predict(runs: list, cost: ModelCost, pp: int, vp: int, microbatches: int,
         rank["memory_bytes"] = (rank["weights_grads_bytes"] + rank["optimizer_bytes"]
                                 + rank["activation_bytes"])
         rank["sync_s"] = cost.gradient_sync_s(rank["params"], rank["expert_params"])
-    slowest = max(r["time_s"] for r in ranks)
-    iteration = (microbatches + (pp - 1) / vp) * slowest + max(r["sync_s"] for r in ranks)
-    return {"ranks": ranks, "iteration_s": iteration}
+        if tied and r in (0, pp - 1):
+            rank["sync_s"] += cost.embedding_sync_s()
+    steps = _pipeline_steps(runs, cost, pp, vp, microbatches, ranks)
+    iteration = sum(steps) + max(r["sync_s"] for r in ranks)
+    return {"ranks": ranks, "iteration_s": iteration, "steps_s": steps}
+
+
+def _rank_times(runs: list, cost: ModelCost, pp: int, tied: bool = True) -> list:
+    """Per pipeline rank: its chunks' compute per micro-batch, their P2P transfers (a send
+    and a receive at each chunk boundary, priced for the rank pairs of that boundary) and
+    parameters."""
+    ranks = [{"time_s": 0.0, "compute_s": 0.0, "forward_s": 0.0, "backward_s": 0.0,
+              "params": 0.0, "expert_params": 0.0} for _ in range(pp)]
+    for c, run in enumerate(runs):
+        rank = ranks[c % pp]
+        compute = sum(p.total_s for p in run)
+        p2p = sum(cost.p2p_s(c % pp, other % pp) for other in (c - 1, c + 1)
+                  if 0 <= other < len(runs))
+        rank["compute_s"] += compute
+        rank["time_s"] += compute + 2 * p2p
+        rank["forward_s"] += sum(p.forward_s for p in run) + p2p
+        rank["backward_s"] += sum(p.backward_s for p in run) + p2p
+        params, experts = _stage_params(run, tied)
+        rank["params"] += params
+        rank["expert_params"] += experts
+    return ranks
+
+
+def _pipeline_steps(runs, cost, pp, vp, microbatches, ranks) -> list:
+    """1F1B's time as steps: each micro-batch after the first adds the slowest rank's time
+    (the steady state), and one micro-batch's pass through every rank adds each rank's own
+    forward (in the warm-up, r + 1 ranks working) and backward (in the cool-down, P - r):
+    (m V - 1) max t_r / V + sum t_r / V, which is (m + (P - 1) / V) max t_r for balanced
+    stages and less where only some are slow (DAPPLE's and Alpa's estimate).
+    Where ranks share cores (Profile.compute_concurrency), a step with a pipeline ranks
+    working is priced at the compute rate of the ranks computing at once: the a stages'
+    ranks times the share of the step they compute rather than wait on a link or a peer (a
+    fixed point: faster compute leaves more of the step waiting)."""
+    size = cost.args.world_size // pp
+    lengths = [len(run) for run in runs]
+    priced = {1.0: ranks}
+
+    def times(factor):
+        factor = round(factor, 3)
+        if factor not in priced:
+            scaled = cost.scaled(factor)
+            pieces, at, again = scaled.pieces(), 0, []
+            for n in lengths:
+                again.append(pieces[at:at + n])
+                at += n
+            priced[factor] = _rank_times(again, scaled, pp)
+        return priced[factor]
+
+    waiting = times(1e-3)  # what is left without compute: the links and peers
+    factors = {}
+
+    def working(active):
+        """The rank times with `active` pipeline ranks working."""
+        if active not in factors:
+            factor = cost.profile.concurrency(active * size)
+            for _ in range(8 if cost.profile.compute_concurrency else 0):
+                now = times(factor)
+                step = max(r["time_s"] for r in now)
+                work = sum(r["time_s"] - w["time_s"] for r, w in zip(now, waiting))
+                computing = size * active / pp * work / step
+                factor = 0.5 * (factor + cost.profile.concurrency(computing))
+            factors[active] = factor
+        return times(factors[active])
+
+    chunks = microbatches * vp
+    steady = max(r["time_s"] for r in working(min(pp, chunks)))
+    steps = [steady / vp] * (chunks - 1)
+    for r in range(pp):
+        steps.append((working(min(r + 1, chunks))[r]["forward_s"]
+                      + working(min(pp - r, chunks))[r]["backward_s"]) / vp)
+    return steps
 
 
 def auto_layout(args, log=print) -> str:

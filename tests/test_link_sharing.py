@@ -1,0 +1,193 @@
+"""Shared links and cores in the cost models (parm_trainer/moe/link_sharing.py): the flows a
+layout's groups put on a node's link, the link sharing Profile.rate prices from them, the
+compute rate with fewer ranks computing at once, what calibrate_comm records for both, and
+how the planner uses them (tied-embedding all-reduce, P2P per stage boundary, pipeline steps).
+
+    .venv/bin/python -m pytest tests/test_link_sharing.py -q
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from parm_trainer.moe.cost_model import KINDS, Profile, ProfileError, remote_share
+from parm_trainer.moe.link_sharing import (concurrency_factor, link_flows, links_from,
+                                           remote_share_of, sharing, tiled_groups)
+
+
+def _profile(**extra) -> Profile:
+    """2 ranks per node; inter rings 1e-8 s/byte, intra 1e-10, no latencies."""
+    colls = {k: {"intra": {"alpha": 0.0, "beta": 1e-10}, "inter": {"alpha": 0.0, "beta": 1e-8}}
+             for k in KINDS}
+    return Profile.from_json(json.dumps({"gpus_per_node": 2, "collectives": colls,
+                                         "compute": {"alpha": 0.0, "beta": 1e-12}, **extra}))
+
+
+def test_flows_of_groups_on_a_node_link():
+    # 2 nodes x 2 ranks: the world ring 0-1-2-3 leaves each node once; the DP pairs of
+    # TP 2 ({0, 2} and {1, 3}) leave each node twice; pairs inside a node never
+    assert link_flows([[0, 1, 2, 3]], 2) == 1
+    assert tiled_groups(2, 2, 2) == [[0, 2], [1, 3]]
+    assert link_flows(tiled_groups(2, 2, 2), 2) == 2
+    assert link_flows(tiled_groups(2, 1, 2), 2) == 0
+    # 2 x 4, the world ring: once per node; a rank per node for each of 4 positions: 4 times
+    assert link_flows([list(range(8))], 4) == 1
+    assert link_flows(tiled_groups(2, 4, 4), 4) == 4
+    # the same placement rule as remote_share, on any group list
+    for size, stride, per_node in ((4, 1, 2), (2, 2, 2), (3, 1, 8), (4, 8, 8), (8, 1, 4)):
+        assert remote_share(size, stride, per_node) == \
+            remote_share_of(tiled_groups(size, stride, per_node), per_node)
+
+
+def test_rate_scales_ring_collectives_by_their_flows_over_the_calibrations():
+    one_link = _profile(node_links=1)
+    # the world ring as calibrated (1 flow); the DP pairs put 2 flows on one link: twice
+    assert one_link.rate("allreduce", 4, 1) == (0.0, pytest.approx(1e-8))
+    assert one_link.rate("allreduce", 2, 2) == (0.0, pytest.approx(2e-8))
+    assert one_link.rate("allgather", 2, groups=[[0, 2]]) == (0.0, pytest.approx(1e-8))
+    # inside a node, and AlltoAll (priced per byte that crosses), as before
+    assert one_link.rate("allreduce", 2, 1) == (0.0, 1e-10)
+    assert one_link.rate("alltoall", 2, 2) == (0.0, pytest.approx(1e-8))
+    # a NIC per rank (no node_links: the default) shares nothing
+    assert _profile().rate("allreduce", 2, 2) == (0.0, pytest.approx(1e-8))
+    # calibrated with --group-size 2 across nodes (2 flows per link): the world ring is
+    # priced at half the calibrated time per byte
+    grouped = _profile(node_links=1, inter_flows=2)
+    assert grouped.rate("allreduce", 4, 1)[1] == pytest.approx(0.5e-8)
+    assert grouped.rate("allreduce", 2, 2)[1] == pytest.approx(1e-8)
+    assert sharing(4, 2.0) == 2.0 and sharing(1, 2.0) == 1.0
+
+
+def test_links_and_concurrency_from_measurements():
+    assert links_from(1, 1e-8, 2, 2e-8) == pytest.approx(1.0)   # one shared link
+    assert links_from(1, 1e-8, 2, 1e-8) == pytest.approx(2.0)   # a link per rank
+    assert links_from(1, 1e-8, 4, 2e-8) == pytest.approx(2.0)
+    assert links_from(1, 1e-8, 2, 0.9e-8) == 2.0                # faster: clamped to the flows
+    points = ((1, 0.5), (2, 0.5), (4, 1.0))
+    assert concurrency_factor(points, 3) == pytest.approx(0.75)
+    assert concurrency_factor(points, 0.5) == 0.5 and concurrency_factor(points, 8) == 1.0
+    assert concurrency_factor((), 3) == 1.0
+    profile = _profile(compute_concurrency=[[1, 0.5], [4, 1.0]])
+    assert profile.concurrency(2.5) == pytest.approx(0.75)
+    scaled = profile.scaled_compute(0.5)
+    assert scaled.compute == (0.0, 0.5e-12) and profile.compute == (0.0, 1e-12)
+    again = Profile.from_json(profile.to_json())
+    assert again.compute_concurrency == ((1, 0.5), (4, 1.0))
+    assert Profile.from_json(_profile(node_links=1.5, inter_flows=2).to_json()).node_links == 1.5
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"node_links": 0.5}, "node_links must be a number >= 1"),
+    ({"node_links": True}, "node_links must be a number >= 1"),
+    ({"inter_flows": 0}, "inter_flows must be a positive integer"),
+    ({"compute_concurrency": [[0, 1.0]]}, "compute_concurrency needs ranks >= 1"),
+    ({"compute_concurrency": [[1, -1.0]]}, "compute_concurrency needs ranks >= 1"),
+    ({"compute_concurrency": 3}, "compute_concurrency must be"),
+])
+def test_bad_sharing_entries_are_refused(entry, message):
+    with pytest.raises(ProfileError, match=message):
+        _profile(**entry)
+
+
+def test_report_records_links_flows_and_concurrency(tmp_path):
+    """Synthetic measurements, exact lines: the AllReduce with 2 flows per node takes twice
+    the 1-flow time per byte, so the node has 1 link; the world ring had 1 flow."""
+    from parm_trainer.bench.calibration_report import report
+    sizes = [2 ** 18 * 2 ** i for i in range(4)]
+    line = lambda alpha, beta: [(b, alpha + b * beta) for b in sizes]  # noqa: E731
+    measured = {link: (4, {kind: line(1e-4, 1e-8 if link == "inter" else 1e-9)
+                           for kind in KINDS}) for link in ("intra", "inter")}
+    local = {"compute": line(1e-5, 1e-11), "memory": line(1e-6, 1e-10),
+             "concurrency": [(1, 0.5), (2, 0.5), (4, 1.0)],
+             "link_sharing": (1, [(1, line(1e-4, 1e-8)), (2, line(1e-4, 2e-8))])}
+    args = argparse.Namespace(sizes=sizes, repeats=3, warmup=1, name="t", require_r2=False,
+                              output=str(tmp_path / "p.json"))
+    assert report(args, "gloo", 4, 2, 2, measured, local, {"intra": 0.0, "inter": 1.0},
+                  {"intra": 0.0, "inter": 2 / 3}) == 0
+    profile = Profile.from_json(str(tmp_path / "p.json"))
+    assert profile.node_links == pytest.approx(1.0) and profile.inter_flows == 1
+    assert profile.compute_concurrency == ((1, 0.5), (2, 0.5), (4, 1.0))
+    assert profile.rate("allreduce", 2, 2)[1] == pytest.approx(2e-8, rel=1e-6)
+
+
+def _demo_args(pp, extra=()):
+    from parm_trainer.arguments import parse_args
+
+    argv = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+            "--global-batch-size", "8", "--num-experts", "4", "--moe-router-topk", "2",
+            "--lr", "1e-3", "--pipeline-model-parallel-size", str(pp), *extra]
+    args = parse_args(argv, world_size=4)
+    args.padded_vocab_size = 1024
+    return args
+
+
+def test_planner_prices_the_embedding_all_reduce_and_each_boundary():
+    from parm_trainer.planning.model_cost import ModelCost
+    from parm_trainer.planning.stages import even_split, predict
+
+    profile = _profile(node_links=1)
+    cost = ModelCost(_demo_args(2), profile)
+    # PP 2 on 2 x 2: stage 0 on node 0, stage 1 on node 1; both embedding pairs cross at once
+    assert cost.stage_pairs(0, 1) == [[0, 2], [1, 3]]
+    assert cost.embedding_sync_s() == pytest.approx(
+        2 * 1024 * 64 * 4 / 2 * 2e-8)  # AllReduce of 2: B sent, at 2 flows on one link
+    tied = predict(even_split(cost.pieces(), 2), cost, 2, 1, 2)
+    untied = predict(even_split(cost.pieces(), 2), cost, 2, 1, 2, tied=False)
+    first = tied["ranks"][0]
+    assert first["sync_s"] == pytest.approx(
+        cost.gradient_sync_s(first["params"], first["expert_params"]) + cost.embedding_sync_s())
+    assert untied["iteration_s"] < tied["iteration_s"]
+    # PP 4 on 2 x 2: only the boundary between pipeline ranks 1 and 2 leaves a node
+    four = ModelCost(_demo_args(4), profile)
+    assert four.p2p_s(0, 1) < four.p2p_s(1, 2)
+    assert four.p2p_s(1, 2) == pytest.approx(
+        profile.rate("allgather", 2, groups=[[1, 2]])[0] + 32 * 2 * 64 * 4 * 1e-8)  # fp32, 1 flow
+    assert ModelCost(_demo_args(1), profile).embedding_sync_s() == 0.0
+
+
+def test_pipeline_steps_price_warm_up_at_the_ranks_computing():
+    """1F1B's time: (m - 1) x the slowest rank plus one pass through every rank. With no
+    links priced (all compute, every time linear in the compute factor), a rank's forward in
+    the warm-up with a of P ranks working is priced at the factor of a x (ranks per stage)
+    ranks computing at once."""
+    from parm_trainer.planning.model_cost import ModelCost
+    from parm_trainer.planning.stages import predict, split
+
+    zero = {k: {"intra": (0.0, 0.0), "inter": (0.0, 0.0)} for k in KINDS}
+    flat = Profile(gpus_per_node=2, collectives=zero, compute=(0.0, 1e-12))
+    curve = Profile(gpus_per_node=2, collectives=zero, compute=(0.0, 1e-12),
+                    compute_concurrency=((2, 0.5), (4, 1.0)))
+    args = _demo_args(2)
+    cost = ModelCost(args, flat)
+    runs = split(cost.pieces(), 2, cost)
+    base = predict(runs, cost, 2, 1, 4)
+    ranks = base["ranks"]
+    slowest = max(r["time_s"] for r in ranks)
+    assert sum(base["steps_s"]) == pytest.approx(3 * slowest + sum(r["time_s"] for r in ranks))
+    assert ranks[0]["forward_s"] + ranks[0]["backward_s"] == pytest.approx(ranks[0]["time_s"])
+    shared = predict(runs, ModelCost(args, curve), 2, 1, 4)["steps_s"]
+    steady = shared[0] / slowest  # both stages working: between 2 and 4 ranks computing
+    assert 0.5 < steady <= 1.0 + 1e-9 and shared[:3] == [shared[0]] * 3
+    # rank 0: its forward with 1 stage working (2 ranks: 0.5), its backward with 2
+    assert shared[3] == pytest.approx(0.5 * ranks[0]["forward_s"] + steady * ranks[0]["backward_s"],
+                                      rel=1e-3)
+    assert shared[4] == pytest.approx(steady * ranks[1]["forward_s"] + 0.5 * ranks[1]["backward_s"],
+                                      rel=1e-3)
+
+
+def test_memory_rate_is_fitted_on_relative_errors():
+    """A largest size 3 x slower than the line through the others (a cache-missing point on
+    shared cores) sets a plain least-squares rate alone; the relative fit stays near the line."""
+    from parm_trainer.bench.calibrate import fit
+
+    sizes = [2 ** 17 * 4 ** i for i in range(5)]
+    points = [(b, 1e-5 + b * 1e-10) for b in sizes]
+    points[-1] = (sizes[-1], 3 * points[-1][1])
+    plain, relative = fit(points), fit(points, relative=True)
+    assert plain[1] > 2.5e-10
+    assert relative[1] < 1.5e-10 and not relative[3]
+    assert fit([(b, 1e-5 + b * 1e-10) for b in sizes], relative=True)[1] == pytest.approx(1e-10)

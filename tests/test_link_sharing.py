@@ -191,3 +191,14 @@ def test_memory_rate_is_fitted_on_relative_errors():
     assert plain[1] > 2.5e-10
     assert relative[1] < 1.5e-10 and not relative[3]
     assert fit([(b, 1e-5 + b * 1e-10) for b in sizes], relative=True)[1] == pytest.approx(1e-10)
+
+
+def test_calibration_puts_one_and_a_nodes_worth_of_flows_on_each_link():
+    """The groups calibrate_comm measures link sharing on: a ring of one rank per node for
+    each position (a node's ranks' worth of flows), or only the first position's (1 flow)."""
+    from parm_trainer.bench.calibrate import flow_groups
+
+    assert flow_groups(4, 2, 2) == [[0, 2], [1, 3]] and link_flows(flow_groups(4, 2, 2), 2) == 2
+    assert flow_groups(4, 2, 1) == [[0, 2]] and link_flows(flow_groups(4, 2, 1), 2) == 1
+    assert link_flows(flow_groups(8, 4, 4), 4) == 4
+    assert link_flows(flow_groups(12, 4, 4), 4) == 4  # rings of 3 nodes: one edge out per rank

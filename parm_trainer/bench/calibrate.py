@@ -179,10 +179,9 @@ def measure_link_sharing(inter_groups, args, device, per_node) -> tuple:
                                warmup=1, calls=1)
     out = []
     for count in (1, per_node):
-        _, points = measure_groups(flow_groups(world, per_node, count), quick, device,
-                                   kinds=("allreduce",))
-        out.append((link_flows(flow_groups(world, per_node, count), per_node),
-                    points["allreduce"]))
+        groups = flow_groups(world, per_node, count)
+        _, points = measure_groups(groups, quick, device, kinds=("allreduce",))
+        out.append((link_flows(groups, per_node), points["allreduce"]))
     return flows, out
 
 

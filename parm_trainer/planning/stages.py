@@ -14,11 +14,11 @@ megatron places chunk c on rank c mod P.
 
 Iteration time (predict): with t_r a rank's time per micro-batch (its chunks, plus the P2P
 transfers at its chunk boundaries, each priced for the rank pairs that cross it at once) and m
-micro-batches, the schedule's m V + P - 1 steps of max t_r / V (_pipeline_steps: in warm-up
-and cool-down fewer stages compute, which is faster where ranks share cores), plus the slowest
-rank's gradient reduction (with a tied embedding, the first and last ranks' all-reduce of its
-gradient too) and optimizer step. Nothing shared, that is (m + (P - 1) / V) x max t_r plus the
-reduction.
+micro-batches, (m V - 1) x max t_r / V plus one micro-batch's pass through every rank, sum t_r /
+V (_pipeline_steps; (m + (P - 1) / V) x max t_r for balanced stages; where ranks share cores,
+each part priced at the compute rate of the ranks working in it), plus the slowest rank's
+gradient reduction (with a tied embedding, the first and last ranks' all-reduce of its
+gradient too) and optimizer step.
 """
 
 from __future__ import annotations
@@ -223,13 +223,14 @@ def _pipeline_steps(runs, cost, pp, vp, microbatches, ranks) -> list:
             priced[factor] = _rank_times(again, scaled, pp)
         return priced[factor]
 
-    waiting = times(1e-3)  # what is left without compute: the links and peers
     factors = {}
 
     def working(active):
         """The rank times with `active` pipeline ranks working."""
         if active not in factors:
             factor = cost.profile.concurrency(active * size)
+            if cost.profile.compute_concurrency:
+                waiting = times(1e-3)  # what is left without compute: the links and peers
             for _ in range(8 if cost.profile.compute_concurrency else 0):
                 now = times(factor)
                 step = max(r["time_s"] for r in now)

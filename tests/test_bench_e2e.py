@@ -127,7 +127,7 @@ def test_bench_pipeline_rows_and_command(tmp_path):
 
 
 def test_plan_check_picks_and_ranks():
-    from parm_trainer.bench.plan_check import pick, spearman
+    from parm_trainer.bench.plan_check import pick, run_agreement, spearman
 
     assert pick(30, 12, 4) == list(range(12)) + [12, 18, 23, 29]  # spread, the last included
     assert pick(14, 12, 4) == list(range(14))
@@ -138,3 +138,11 @@ def test_plan_check_picks_and_ranks():
     a, b = [3.1, 1.2, 5.0, 2.2, 4.4], [2.0, 1.0, 4.0, 5.0, 3.0]
     assert spearman(a, b) == pytest.approx(1 - 6 * (1 + 0 + 1 + 9 + 1) / (5 * 24))
     assert spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(0.8660254)  # ties share a rank
+    # the bench against itself: the median over pairs of repeats
+    runs = [[1.0, 1.1, 3.0], [2.0, 1.0, 2.0], [3.0, 3.0, 1.0]]  # three layouts, three repeats
+    pairs = [spearman([1, 2, 3], [1.1, 1.0, 3.0]), spearman([1, 2, 3], [3, 2, 1]),
+             spearman([1.1, 1.0, 3.0], [3, 2, 1])]
+    assert pairs == pytest.approx([0.5, -1.0, -0.5])
+    assert run_agreement(runs) == pytest.approx(-0.5)
+    assert run_agreement([[1.0, 1.0], [2.0, 2.0]]) == pytest.approx(1.0)
+    assert run_agreement([[1.0], [2.0, 3.0]]) is None  # fewer than 2 repeats of a layout

@@ -9,7 +9,9 @@ correlation (Spearman) of the two, and the first choice's time over the fastest 
 
 --nodes > 1 runs on emulated nodes (tools/emulated_cluster.py, as root) at
 --inter-node-bandwidth; each figure is the median over --runs runs (alternating: every layout
-once, then again) of the mean ms/iter of the logged intervals after the first. MODEL FLAGS
+once, then again) of the mean ms/iter of the logged intervals after the first; with --runs 2
+or more it also prints how well the runs rank the layouts against each other (the bench's own
+noise: a cost model cannot agree with the runs much better than they agree). MODEL FLAGS
 (after --) default to `make demo`'s model.
 """
 
@@ -22,7 +24,7 @@ import statistics
 import sys
 
 from parm_trainer.arguments import parse_args
-from parm_trainer.bench.plan_check import pick, spearman
+from parm_trainer.bench.plan_check import pick, run_agreement, spearman
 from parm_trainer.bench.training_runs import (DEMO_MODEL, add_run_flags, intervals,
                                              parse_run_flags, run_figure, run_timed,
                                              training_log)
@@ -98,9 +100,14 @@ def main(argv=None) -> int:
     fastest = min(ms, key=ms.get)
     print(f"rank correlation (Spearman) of predicted and measured: {rho:.3f}; the first choice "
           f"takes {ms[chosen[0]] / ms[fastest]:.3f} x the fastest measured (rank {fastest + 1})")
+    agreement = run_agreement([measured[i] for i in chosen])
+    if agreement is not None:
+        print(f"the runs against each other (Spearman of one run's times against another's, "
+              f"median over pairs): {agreement:.3f}")
     path = args.json or os.path.join(args.out_dir, "bench_plan.json")
     with open(path, "w") as f:
         json.dump({"argv": argv if argv is not None else sys.argv[1:], "spearman": rho,
+                   "run_agreement": agreement,
                    "first_over_fastest": ms[chosen[0]] / ms[fastest],
                    "layouts": [{**vars(ranked[i]), "rank": i + 1, "flags": ranked[i].flags(),
                                 "measured_ms": measured[i]} for i in chosen]}, f, indent=1)

@@ -3,9 +3,13 @@ layouts tools/bench_plan.py runs, and how well its ranking agrees with the runs.
 
     chosen = pick(ranked, top=12, others=4)       # indices into the ranked list
     rho = spearman(predicted, measured)
+    ceiling = run_agreement(runs)                  # the bench against itself
 """
 
 from __future__ import annotations
+
+import itertools
+import statistics
 
 
 def pick(count: int, top: int, others: int) -> list:
@@ -47,3 +51,15 @@ def spearman(a: list, b: list) -> float:
     var_a = sum((x - mean) ** 2 for x in ra)
     var_b = sum((y - mean) ** 2 for y in rb)
     return cov / (var_a * var_b) ** 0.5
+
+
+def run_agreement(runs: list) -> float:
+    """How well the bench agrees with itself: the median, over every pair of repeats (run r
+    of each layout against run s), of the Spearman correlation of their measured times; runs
+    holds one list of repeats per layout. The rank correlation a perfect cost model could
+    reach on these measurements is of this order. None with fewer than 2 repeats."""
+    repeats = min(len(r) for r in runs)
+    if repeats < 2:
+        return None
+    return statistics.median(spearman([r[i] for r in runs], [r[j] for r in runs])
+                             for i, j in itertools.combinations(range(repeats), 2))

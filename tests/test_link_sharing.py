@@ -102,7 +102,8 @@ def test_report_records_links_flows_and_concurrency(tmp_path):
                            for kind in KINDS}) for link in ("intra", "inter")}
     local = {"compute": line(1e-5, 1e-11), "memory": line(1e-6, 1e-10),
              "concurrency": [(1, 0.5), (2, 0.5), (4, 1.0)],
-             "link_sharing": (1, [(1, line(1e-4, 1e-8)), (2, line(1e-4, 2e-8))])}
+             "link_sharing": (1, [(1, line(1e-4, 1e-8)), (2, line(1e-4, 2e-8))]),
+             "sync_wait": [(0.003, 0.0), (0.006, 0.004), (0.03, 0.0015)]}
     args = argparse.Namespace(sizes=sizes, repeats=3, warmup=1, name="t", require_r2=False,
                               output=str(tmp_path / "p.json"))
     assert report(args, "gloo", 4, 2, 2, measured, local, {"intra": 0.0, "inter": 1.0},
@@ -111,6 +112,7 @@ def test_report_records_links_flows_and_concurrency(tmp_path):
     assert profile.node_links == pytest.approx(1.0) and profile.inter_flows == 1
     assert profile.compute_concurrency == ((1, 0.5), (2, 0.5), (4, 1.0))
     assert profile.rate("allreduce", 2, 2)[1] == pytest.approx(2e-8, rel=1e-6)
+    assert profile.layer == (1.0, 1.0, 0.0, pytest.approx(0.0015))  # the median wait
 
 
 def _demo_args(pp, extra=()):
@@ -147,6 +149,28 @@ def test_planner_prices_the_embedding_all_reduce_and_each_boundary():
     assert four.p2p_s(1, 2) == pytest.approx(
         profile.rate("allgather", 2, groups=[[1, 2]])[0] + 32 * 2 * 64 * 4 * 1e-8)  # fp32, 1 flow
     assert ModelCost(_demo_args(1), profile).embedding_sync_s() == 0.0
+
+
+def test_every_collective_pays_the_calibrated_wait_at_a_call():
+    """s_per_call (what calibrate_comm measures as the wait at a collective after compute) is
+    added once per collective call of the dense pieces, as plan_cost adds it per call of the
+    MoE layer's steps; a group of one makes no call."""
+    from dataclasses import replace
+
+    from parm_trainer.planning.model_cost import ModelCost
+
+    profile = _profile(node_links=1)
+    waiting = replace(profile, layer=(1.0, 1.0, 0.0, 0.002))
+    args = _demo_args(2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])
+    plain, paid = ModelCost(args, profile), ModelCost(args, waiting)
+    assert paid.coll("allgather", 4096, 2) == pytest.approx(plain.coll("allgather", 4096, 2)
+                                                            + 0.002)
+    assert paid.coll("allreduce", 4096, 1) == 0.0
+    assert paid.p2p_s(0, 1) == pytest.approx(plain.p2p_s(0, 1) + 0.002)
+    # a dense attention block under SP: an AllGather in and a ReduceScatter out, each way
+    forward, backward, _ = paid.attention()
+    assert forward - plain.attention()[0] == pytest.approx(2 * 0.002)
+    assert backward - plain.attention()[1] == pytest.approx(2 * 0.002)
 
 
 def test_pipeline_steps_price_warm_up_at_the_ranks_computing():

@@ -159,6 +159,30 @@ def measure_concurrency(repeats, warmup, device, calls) -> list:
     return [(k, seconds[k] / seconds[world]) for k in counts]
 
 
+def measure_sync_wait(repeats, warmup, device, calls) -> list:
+    """[(chunk seconds, wait seconds)]: each GEMM case of one shape (3 sizes) timed alone, a
+    one-element AllReduce of the world alone, and the two back to back, every rank at once;
+    the wait is what the pair takes beyond the two apart: at a collective after compute,
+    ranks wait for the slowest to arrive (on shared cores, for one the scheduler left
+    behind), which a collective timed after a barrier never sees. Profile.layer's
+    s_per_call prices it at every collective call; on GPUs it is about 0."""
+    world = dist.get_world_size()
+    token = torch.ones(1, device=device)
+    collective = _op("allreduce", token, None, world)
+    alone = time_call(collective, repeats, warmup, device, calls)
+    points = []
+    for _, call in [case for case, (rows, m, h) in zip(gemm_cases(device), GEMM_SHAPES)
+                    if (m, h) == (64, 128)]:
+        chunk = time_call(call, repeats, warmup, device, calls)
+
+        def pair(call=call):
+            call()
+            collective()
+        both = time_call(pair, repeats, warmup, device, calls)
+        points.append((chunk, max(0.0, both - chunk - alone)))
+    return points
+
+
 def flow_groups(world, per_node, flows) -> list:
     """AllReduce groups across nodes that put `flows` flows on each node's link at once: with
     flows > 1, one ring of a rank per node for each position in the node; with 1, only the
@@ -284,6 +308,7 @@ def fit(points, relative: bool = False):
 def calibrate(args, device, per_node):
     """Everything calibrate_comm measures, on every rank: (measured {link: (group size,
     {kind: points})}, local {"compute"|"memory": points, "concurrency": [(k, factor)],
+    "sync_wait": [(chunk s, wait s)],
     "link_sharing": (inter flows, [(flows, points)])}, node_share per link, remote_peers per
     link)."""
     from parm_trainer.progress import Progress
@@ -291,7 +316,7 @@ def calibrate(args, device, per_node):
     world = dist.get_world_size()
     measured, shares, remote = {}, {}, {}
     links = calibration_groups(world, per_node, args.group_size)
-    progress = Progress(len(links) + 4, "calibrate_comm", enabled=dist.get_rank() == 0)
+    progress = Progress(len(links) + 5, "calibrate_comm", enabled=dist.get_rank() == 0)
     for link, groups in links.items():
         measured[link] = measure_groups(groups, args, device)
         shares[link], remote[link] = node_share(groups, per_node), remote_peers(groups, per_node)
@@ -303,6 +328,9 @@ def calibrate(args, device, per_node):
     local["concurrency"] = measure_concurrency(max(3, args.repeats // 2), 1, device,
                                                max(1, args.calls // 2))
     progress.done("compute with fewer ranks at once")
+    local["sync_wait"] = measure_sync_wait(max(3, args.repeats // 2), 1, device,
+                                           max(2, args.calls // 2))
+    progress.done("waits at a collective after compute")
     local["link_sharing"] = (measure_link_sharing(links["inter"], args, device, per_node)
                              if "inter" in links else (1, []))
     progress.done("link sharing (AllReduce with 1 and more flows per node)")

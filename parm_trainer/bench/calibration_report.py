@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 
 from parm_trainer.bench.calibrate import R2_MIN, fit
@@ -57,12 +58,15 @@ def report(args, backend, world, per_node, hosts, measured, local, shares, remot
         (low, low_fit), (high, high_fit) = flow_fits
         node_links = round(links_from(low, low_fit[1], high, high_fit[1]), 2)
     concurrency = tuple((k, round(f, 3)) for k, f in local.get("concurrency", ()))
+    waits = [wait for _, wait in local.get("sync_wait", ())]
+    per_call = statistics.median(waits) if waits else 0.0
     # gloo gives each process group two worker threads (ProcessGroupGloo's default), so two
     # started collectives of one group run at once; NCCL runs them in order on its stream
     profile = Profile(gpus_per_node=per_node, collectives=collectives,
                       lanes=2 if backend == "gloo" else 1, node_links=node_links,
                       inter_flows=max(1, inter_flows), compute_concurrency=concurrency,
                       compute=local_fits["compute"][:2], memory=local_fits["memory"][:2],
+                      layer=(1.0, 1.0, 0.0, per_call),
                       name=args.name, description="; ".join(notes), world_size=world)
     data = json.loads(profile.to_json())
     for name, (alpha, beta, r2, clamped) in local_fits.items():
@@ -72,6 +76,7 @@ def report(args, backend, world, per_node, hosts, measured, local, shares, remot
     extra["link_sharing"] = [{"flows_per_node": flows, "GBps": 1.0 / f[1] / 1e9, "r2": f[2],
                                "points": flow_points[i][1]}
                               for i, (flows, f) in enumerate(flow_fits)]
+    extra["sync_wait"] = [list(p) for p in local.get("sync_wait", ())]
     data["fit"] = extra
     out_dir = os.path.dirname(os.path.abspath(args.output))
     os.makedirs(out_dir, exist_ok=True)
@@ -109,6 +114,11 @@ def report(args, backend, world, per_node, hosts, measured, local, shares, remot
     if concurrency:
         print("compute time with k ranks computing at once, over all at once: "
               + ", ".join(f"k={k}: {f:.2f}" for k, f in concurrency))
+    if waits:
+        print(f"a collective after compute waits {per_call * 1e3:.2f} ms more than one after a "
+              "barrier (median over " + ", ".join(f"{c * 1e3:.1f}" for c, _ in
+                                                  local["sync_wait"])
+              + " ms of compute): the layer's s_per_call")
     for note in notes[2:]:
         print(f"note: {note}")
     print(f"wrote {args.output}")

@@ -77,11 +77,13 @@ class ModelCost:
     def coll(self, kind: str, nbytes: float, size: int, stride: int = 1,
              groups: list = None) -> float:
         """One collective of a group of `size` at `stride` (all such groups at once), or of
-        the explicit `groups` at once."""
+        the explicit `groups` at once, plus the profile's wait at a collective call (its
+        layer s_per_call: ranks arriving after compute wait for the slowest, as the MoE
+        layer's calls do in plan_cost)."""
         if size < 2:
             return 0.0
         alpha, beta = self.profile.rate(kind, size, stride, groups)
-        return alpha + sent_bytes(kind, int(nbytes), size) * beta
+        return alpha + sent_bytes(kind, int(nbytes), size) * beta + self.profile.layer[3]
 
     def gemm(self, flops: float, calls: int = 1) -> float:
         """`calls` GEMMs of `flops` in all (the backward runs twice as many)."""

@@ -75,15 +75,16 @@ class ModelCost:
 
     # --- primitives ----------------------------------------------------------------------------
     def coll(self, kind: str, nbytes: float, size: int, stride: int = 1,
-             groups: list = None) -> float:
+             groups: list = None, wait: bool = True) -> float:
         """One collective of a group of `size` at `stride` (all such groups at once), or of
-        the explicit `groups` at once, plus the profile's wait at a collective call (its
-        layer s_per_call: ranks arriving after compute wait for the slowest, as the MoE
-        layer's calls do in plan_cost)."""
+        the explicit `groups` at once, plus (with `wait`) the profile's wait at a collective
+        call (its layer s_per_call: ranks arriving after compute wait for the slowest, as
+        the MoE layer's calls do in plan_cost)."""
         if size < 2:
             return 0.0
         alpha, beta = self.profile.rate(kind, size, stride, groups)
-        return alpha + sent_bytes(kind, int(nbytes), size) * beta + self.profile.layer[3]
+        return (alpha + sent_bytes(kind, int(nbytes), size) * beta
+                + (self.profile.layer[3] if wait else 0.0))
 
     def gemm(self, flops: float, calls: int = 1) -> float:
         """`calls` GEMMs of `flops` in all (the backward runs twice as many)."""
@@ -245,9 +246,11 @@ class ModelCost:
         return [[a * size + i, b * size + i] for i in range(size)]
 
     def p2p_s(self, a: int = 0, b: int = 1) -> float:
-        """One activation (or its gradient) between pipeline ranks a and b."""
+        """One activation (or its gradient) between pipeline ranks a and b; without the wait
+        at a call: waiting on the other stage is the schedule's own dependency, which the
+        pipeline steps price (stages.py)."""
         nbytes = self.n * self.args.hidden_size * self.e / (self.tp if self.sp else 1)
-        return self.coll("allgather", nbytes, 2, groups=self.stage_pairs(a, b))
+        return self.coll("allgather", nbytes, 2, groups=self.stage_pairs(a, b), wait=False)
 
     def embedding_sync_s(self) -> float:
         """megatron's all-reduce of the tied word embedding's fp32 gradient between the first

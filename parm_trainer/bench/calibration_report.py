@@ -11,7 +11,7 @@ import statistics
 import sys
 
 from parm_trainer.bench.calibrate import R2_MIN, fit
-from parm_trainer.moe.cost_model import KINDS, LINKS, Profile
+from parm_trainer.moe.cost_model import KINDS, LAYER_DEFAULT, LINKS, Profile
 from parm_trainer.moe.link_sharing import links_from
 
 
@@ -66,7 +66,7 @@ def report(args, backend, world, per_node, hosts, measured, local, shares, remot
                       lanes=2 if backend == "gloo" else 1, node_links=node_links,
                       inter_flows=max(1, inter_flows), compute_concurrency=concurrency,
                       compute=local_fits["compute"][:2], memory=local_fits["memory"][:2],
-                      layer=(1.0, 1.0, 0.0, per_call),
+                      layer=(*LAYER_DEFAULT[:3], per_call),
                       name=args.name, description="; ".join(notes), world_size=world)
     data = json.loads(profile.to_json())
     for name, (alpha, beta, r2, clamped) in local_fits.items():

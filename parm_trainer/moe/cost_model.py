@@ -58,7 +58,7 @@ s_per_call, outside any overlap: each call is a point where ranks wait for the s
 and host work of its own, which an isolated calibration of the call does not see;
 calibrate_comm measures it on its own (a one-element AllReduce after GEMMs of 3 sizes, beyond
 the two apart: bench/calibrate.measure_sync_wait) and the whole-model planner adds it to every
-collective call of the dense pieces too. (Fitted
+collective call of the dense pieces too but P2P, whose wait the pipeline steps price. (Fitted
 inside the pipeline's overlap instead, it could not tell r = 2 from r = 4 on 8 processes per 2
 cores, where more pieces measured up to 50 % slower.)
 Exact exchange (LayerShape.exact, exchange.py): no capacity; a rank sends each EP rank the

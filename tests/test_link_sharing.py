@@ -177,10 +177,12 @@ def test_every_collective_pays_the_calibrated_wait_at_a_call():
 
 def test_pipeline_steps_price_warm_up_at_the_ranks_computing():
     """1F1B's time: (m - 1) x the slowest rank plus one pass through every rank. With no
-    links priced (all compute, every time linear in the compute factor), a rank's forward in
-    the warm-up with a of P ranks working is priced at the factor of a x (ranks per stage)
-    ranks computing at once."""
+    links priced (all compute, every time linear in the compute factor), interleaved 1F1B on
+    shared cores prices a rank's forward in the warm-up with a of P ranks working at the factor
+    of a x (ranks per stage) ranks computing at once; plain 1F1B on shared cores is played out
+    task by task (pipeline_sim.py), from each rank's compute."""
     from parm_trainer.planning.model_cost import ModelCost
+    from parm_trainer.planning.pipeline_sim import one_f_one_b
     from parm_trainer.planning.stages import predict, split
 
     zero = {k: {"intra": (0.0, 0.0), "inter": (0.0, 0.0)} for k in KINDS}
@@ -195,14 +197,44 @@ def test_pipeline_steps_price_warm_up_at_the_ranks_computing():
     slowest = max(r["time_s"] for r in ranks)
     assert sum(base["steps_s"]) == pytest.approx(3 * slowest + sum(r["time_s"] for r in ranks))
     assert ranks[0]["forward_s"] + ranks[0]["backward_s"] == pytest.approx(ranks[0]["time_s"])
-    shared = predict(runs, ModelCost(args, curve), 2, 1, 4)["steps_s"]
-    steady = shared[0] / slowest  # both stages working: between 2 and 4 ranks computing
-    assert 0.5 < steady <= 1.0 + 1e-9 and shared[:3] == [shared[0]] * 3
-    # rank 0: its forward with 1 stage working (2 ranks: 0.5), its backward with 2
-    assert shared[3] == pytest.approx(0.5 * ranks[0]["forward_s"] + steady * ranks[0]["backward_s"],
-                                      rel=1e-3)
-    assert shared[4] == pytest.approx(steady * ranks[1]["forward_s"] + 0.5 * ranks[1]["backward_s"],
-                                      rel=1e-3)
+    played = predict(runs, ModelCost(args, curve), 2, 1, 4)["steps_s"]
+    work = [{"F": r["forward_s"], "B": r["backward_s"]} for r in ranks]
+    idle = [{"F": 0.0, "B": 0.0}] * 2
+    assert played == [pytest.approx(one_f_one_b(work, idle, 2, 4, 2, curve.concurrency), rel=1e-3)]
+    # alone, a stage's 2 ranks compute at 0.5 x the time of all 4 at once: faster than flat
+    assert played[0] < sum(base["steps_s"])
+
+    chunks = split(cost.pieces(), 4, cost)  # 2 virtual stages per rank
+    ranks = predict(chunks, cost, 2, 2, 4)["ranks"]
+    shared = predict(chunks, ModelCost(args, curve), 2, 2, 4)["steps_s"]
+    slowest = max(r["time_s"] for r in ranks)
+    steady = shared[0] / (slowest / 2)  # both stages working: between 2 and 4 ranks computing
+    assert 0.5 < steady <= 1.0 + 1e-9 and shared[:7] == [shared[0]] * 7
+    # rank 0: its forwards with 1 stage working (2 ranks: 0.5), its backwards with 2
+    assert shared[7] == pytest.approx(
+        (0.5 * ranks[0]["forward_s"] + steady * ranks[0]["backward_s"]) / 2, rel=1e-3)
+    assert shared[8] == pytest.approx(
+        (steady * ranks[1]["forward_s"] + 0.5 * ranks[1]["backward_s"]) / 2, rel=1e-3)
+
+
+def test_one_f_one_b_played_out_by_hand():
+    """pipeline_sim against makespans worked out by hand from megatron's 1F1B order."""
+    from parm_trainer.planning.pipeline_sim import one_f_one_b, order
+
+    assert order(2, 2) == [[("F", 0), ("F", 1), ("B", 0), ("B", 1)],
+                           [("F", 0), ("B", 0), ("F", 1), ("B", 1)]]
+    balanced = [{"F": 1.0, "B": 2.0}] * 3
+    none = [{"F": 0.0, "B": 0.0}] * 3
+    # one factor for any number computing: (m + P - 1) (f + b), all compute or all links
+    assert one_f_one_b(balanced, none, 3, 5, 1, lambda k: 1.0) == pytest.approx(21.0)
+    assert one_f_one_b(none, balanced, 3, 5, 1, lambda k: 0.5) == pytest.approx(21.0)
+    # 2 stages, 2 micro-batches, factor a alone and c with both computing: rank 0's forward
+    # alone (a), both forwards (c), rank 1's backward alone (2a), rank 0's backward beside rank
+    # 1's forward (c) and then its backward (c), the rest of rank 1's backward (a), rank 0's
+    # last backward (2a): 6a + 3c
+    factor = {1: 0.5, 2: 1.0}
+    makespan = one_f_one_b(balanced[:2], none[:2], 2, 2, 1, lambda k: factor[round(k)])
+    assert makespan == pytest.approx(6 * 0.5 + 3 * 1.0)
 
 
 def test_memory_rate_is_fitted_on_relative_errors():

@@ -16,7 +16,9 @@ Iteration time (predict): with t_r a rank's time per micro-batch (its chunks, pl
 transfers at its chunk boundaries, each priced for the rank pairs that cross it at once) and m
 micro-batches, (m V - 1) x max t_r / V plus one micro-batch's pass through every rank, sum t_r /
 V (_pipeline_steps; (m + (P - 1) / V) x max t_r for balanced stages; where ranks share cores,
-each part priced at the compute rate of the ranks working in it), plus the slowest rank's
+each part priced at the compute rate of the ranks working in it, and plain 1F1B played out
+task by task instead, pipeline_sim.py: ranks in a bubble leave the cores to those computing),
+plus the slowest rank's
 gradient reduction (with a tied embedding, the first and last ranks' all-reduce of its
 gradient too) and optimizer step.
 """
@@ -27,6 +29,7 @@ import math
 from dataclasses import dataclass
 
 from parm_trainer.planning.model_cost import ModelCost
+from parm_trainer.planning.pipeline_sim import one_f_one_b
 
 
 class LayoutError(ValueError):
@@ -207,10 +210,13 @@ def _pipeline_steps(runs, cost, pp, vp, microbatches, ranks) -> list:
     Where ranks share cores (Profile.compute_concurrency), a step with a pipeline ranks
     working is priced at the compute rate of the ranks computing at once: the a stages'
     ranks times the share of the step they compute rather than wait on a link or a peer (a
-    fixed point: faster compute leaves more of the step waiting)."""
+    fixed point: faster compute leaves more of the step waiting). There, plain 1F1B over
+    several stages is played out task by task instead (_played_out): one step, its makespan."""
     size = cost.args.world_size // pp
     lengths = [len(run) for run in runs]
     priced = {1.0: ranks}
+    if cost.profile.compute_concurrency and pp > 1 and vp == 1:
+        return [_played_out(runs, cost, pp, microbatches, ranks)]
 
     def times(factor):
         factor = round(factor, 3)
@@ -247,6 +253,22 @@ def _pipeline_steps(runs, cost, pp, vp, microbatches, ranks) -> list:
         steps.append((working(min(r + 1, chunks))[r]["forward_s"]
                       + working(min(pp - r, chunks))[r]["backward_s"]) / vp)
     return steps
+
+
+def _played_out(runs, cost, pp, microbatches, ranks) -> float:
+    """Plain 1F1B on ranks that share cores, task by task (pipeline_sim.py): each rank's
+    compute is its time less what is left with compute (nearly) free, its links and peers."""
+    scaled, at, again = cost.scaled(1e-3), 0, []
+    pieces = scaled.pieces()
+    for run in runs:
+        again.append(pieces[at:at + len(run)])
+        at += len(run)
+    waiting = _rank_times(again, scaled, pp)
+    work = [{"F": r["forward_s"] - w["forward_s"], "B": r["backward_s"] - w["backward_s"]}
+            for r, w in zip(ranks, waiting)]
+    other = [{"F": w["forward_s"], "B": w["backward_s"]} for w in waiting]
+    return one_f_one_b(work, other, pp, microbatches, cost.args.world_size // pp,
+                       cost.profile.concurrency)
 
 
 def auto_layout(args, log=print) -> str:

@@ -215,8 +215,6 @@ def _pipeline_steps(runs, cost, pp, vp, microbatches, ranks) -> list:
     size = cost.args.world_size // pp
     lengths = [len(run) for run in runs]
     priced = {1.0: ranks}
-    if cost.profile.compute_concurrency and pp > 1 and vp == 1:
-        return [_played_out(runs, cost, pp, microbatches, ranks)]
 
     def times(factor):
         factor = round(factor, 3)
@@ -229,6 +227,8 @@ def _pipeline_steps(runs, cost, pp, vp, microbatches, ranks) -> list:
             priced[factor] = _rank_times(again, scaled, pp)
         return priced[factor]
 
+    if cost.profile.compute_concurrency and pp > 1 and vp == 1:
+        return [_played_out(ranks, times(1e-3), pp, microbatches, size, cost.profile)]
     factors = {}
 
     def working(active):
@@ -255,20 +255,13 @@ def _pipeline_steps(runs, cost, pp, vp, microbatches, ranks) -> list:
     return steps
 
 
-def _played_out(runs, cost, pp, microbatches, ranks) -> float:
+def _played_out(ranks, waiting, pp, microbatches, size, profile) -> float:
     """Plain 1F1B on ranks that share cores, task by task (pipeline_sim.py): each rank's
-    compute is its time less what is left with compute (nearly) free, its links and peers."""
-    scaled, at, again = cost.scaled(1e-3), 0, []
-    pieces = scaled.pieces()
-    for run in runs:
-        again.append(pieces[at:at + len(run)])
-        at += len(run)
-    waiting = _rank_times(again, scaled, pp)
+    compute is its time less `waiting`, its time with compute (nearly) free: links and peers."""
     work = [{"F": r["forward_s"] - w["forward_s"], "B": r["backward_s"] - w["backward_s"]}
             for r, w in zip(ranks, waiting)]
     other = [{"F": w["forward_s"], "B": w["backward_s"]} for w in waiting]
-    return one_f_one_b(work, other, pp, microbatches, cost.args.world_size // pp,
-                       cost.profile.concurrency)
+    return one_f_one_b(work, other, pp, microbatches, size, profile.concurrency)
 
 
 def auto_layout(args, log=print) -> str:

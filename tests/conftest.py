@@ -107,19 +107,70 @@ def tiny_gpt_args(data, **overrides) -> list:
     return args
 
 
+LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+_SERVER = {}
+
+
+def _torchrun_server():
+    """tests/torchrun_server.py, started on the first launch, stopped with the session."""
+    if "socket" not in _SERVER:
+        path = f"/tmp/parm_torchrun_{os.getpid()}.sock"
+        process = subprocess.Popen(
+            [sys.executable, "tests/torchrun_server.py", path], cwd=ROOT, stdout=subprocess.PIPE,
+            text=True, env={**os.environ, **LAUNCH_ENV, "PYTHONUNBUFFERED": "1"})
+        assert process.stdout.readline().strip() == "ready", "the torchrun server did not start"
+        _SERVER.update(socket=path, process=process)
+    return _SERVER["socket"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_torchrun_server():
+    yield
+    if "process" in _SERVER:
+        _SERVER["process"].kill()
+        _SERVER["process"].wait()
+        os.unlink(_SERVER["socket"])
+
+
+def torchrun(argv: list, env: dict = None, timeout: float = 300) -> tuple:
+    """`torchrun ARGV` in ROOT: (exit status, stdout and stderr together). Through
+    tests/torchrun_server.py (torchrun's --run-path --start-method fork, from a process that
+    imported torch and megatron-core once); PARM_TEST_REAL_TORCHRUN=1 runs the real command.
+    A launch past `timeout` is killed, every rank with it, and fails the test."""
+    env = {**os.environ, **LAUNCH_ENV, **(env or {})}
+    argv = [str(a) for a in argv]
+    if os.environ.get("PARM_TEST_REAL_TORCHRUN") == "1":
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv], cwd=ROOT,
+                                capture_output=True, text=True, timeout=timeout, env=env)
+        return result.returncode, result.stdout + result.stderr
+    output = Path(f"/tmp/parm_torchrun_{os.getpid()}_{time.monotonic_ns()}.log")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+        client.connect(_torchrun_server())
+        client.sendall((json.dumps({"argv": argv, "env": env, "cwd": str(ROOT),
+                                    "output": str(output)}) + "\n").encode())
+        replies = client.makefile()
+        pid = int(replies.readline())
+        client.settimeout(timeout)
+        try:
+            status = int(replies.readline())
+        except (TimeoutError, socket.timeout):
+            os.killpg(pid, 9)
+            raise subprocess.TimeoutExpired(["torchrun", *argv], timeout)
+    text = output.read_text(errors="replace")
+    output.unlink()
+    return status, text
+
+
 def launch(nproc: int, args: list, tmp_path: Path, timeout: float = 300,
            script: str = "pretrain_gpt_moe.py", env: dict = None) -> Run:
     losses_json = tmp_path / f"losses_{time.monotonic_ns()}.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(free_port()), script, *args,
-               "--log-losses-json", str(losses_json)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    argv = ["--nproc-per-node", nproc, "--master-port", free_port(), script, *args,
+            "--log-losses-json", losses_json]
     start = time.monotonic()
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                            env=env)
+    status, output = torchrun(argv, env, timeout)
     seconds = time.monotonic() - start
     losses = json.loads(losses_json.read_text()) if losses_json.exists() else []
-    return Run(result.returncode, result.stdout + result.stderr, seconds, losses)
+    return Run(status, output, seconds, losses)
 
 
 def max_relative(got, expected) -> float:

@@ -21,7 +21,7 @@ import pytest
 import sentencepiece
 import torch
 
-from conftest import ROOT, launch, max_relative, tiny_gpt_args
+from conftest import ROOT, free_port, launch, max_relative, tiny_gpt_args, torchrun
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -44,13 +44,11 @@ def convert(*args, timeout=300):
 
 
 def generate(nproc, load_dir, *layout, timeout=300):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "tools/generate.py", "--load-dir", str(load_dir), "--prompt", PROMPT,
-               "--max-new-tokens", "20", *layout]
-    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = run.stdout.splitlines()
+    status, output = torchrun(["--nproc-per-node", nproc, "--master-port", free_port(),
+                               "tools/generate.py", "--load-dir", load_dir, "--prompt", PROMPT,
+                               "--max-new-tokens", "20", *layout], timeout=timeout)
+    assert status == 0, output[-3000:]
+    lines = output.splitlines()
     ids = next(l for l in lines if l.startswith("ids: "))
     prompt = next(l for l in lines if l.startswith("prompt ids: "))
     return [int(i) for i in prompt.split()[2:]], [int(i) for i in ids.split()[1:]]

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, error_lines, free_port, launch, tiny_gpt_args
+from conftest import ROOT, error_lines, free_port, launch, tiny_gpt_args, torchrun
 
 MOE = {"expert-model-parallel-size": 2, "log-interval": 1}
 
@@ -65,14 +65,10 @@ def test_save_killed_at_any_phase_keeps_the_previous_checkpoint(gpt_data, tmp_pa
                                       "load": ckpt, "log-interval": 1})
     faults = ";".join(f"kill-in-save:phase={phase}:iter={k + 2}:attempt={k}"
                       for k, phase in enumerate(PHASES))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-               "--max-restarts", str(len(PHASES)), "--master-port", str(free_port()),
-               "pretrain_gpt_moe.py", *args]
-    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-                              "PARM_FAULT": faults})
-    output = run.stdout + run.stderr
-    assert run.returncode == 0, output[-3000:]
+    status, output = torchrun(["--nproc-per-node", 1, "--max-restarts", len(PHASES),
+                               "--master-port", free_port(), "pretrain_gpt_moe.py", *args],
+                              env={"PARM_FAULT": faults})
+    assert status == 0, output[-3000:]
     losses = {}
     for it, loss in re.findall(r"iteration +(\d+)/6 \| lm loss ([0-9.]+)", output):
         assert losses.setdefault(int(it), loss) == loss, f"iteration {it} again: {loss}"

@@ -14,13 +14,10 @@ is the comparison throughout.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import torch
 
-from conftest import ROOT, free_port
+from conftest import free_port, torchrun
 from parm_trainer.moe.comm import LEDGER, CommLedger, chunk_spans
 from parm_trainer.moe import comm
 
@@ -207,15 +204,12 @@ dist.destroy_process_group()
 def test_collectives_on_four_gloo_ranks(tmp_path):
     script = tmp_path / "moe_comm_worker.py"
     script.write_text(WORKER)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-               "--master-port", str(free_port()), str(script), str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180,
-                            env=env)
+    status, output = torchrun(["--nproc-per-node", 4, "--master-port", free_port(), script,
+                               tmp_path], timeout=180)
     reports = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
     failures = {r["rank"]: [f[-700:] for f in r["failures"][:5]] for r in reports if r["failures"]}
     assert not failures, json.dumps(failures, indent=1)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert status == 0, output[-4000:]
     # start/finish: 4 partitions x 4 kinds x 3 checks; 5 op partitions x 13 op cases x 4 checks
     assert [r["checks"] for r in reports] == [4 * 4 * 3 + 5 * 13 * 4] * 4
 

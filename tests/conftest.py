@@ -132,14 +132,14 @@ def _stop_torchrun_server():
         os.unlink(_SERVER["socket"])
 
 
-def torchrun(argv: list, env: dict = None, timeout: float = 300) -> tuple:
+def torchrun(argv: list, env: dict = None, timeout: float = 300, real: bool = False) -> tuple:
     """`torchrun ARGV` in ROOT: (exit status, stdout and stderr together). Through
     tests/torchrun_server.py (torchrun's --run-path --start-method fork, from a process that
-    imported torch and megatron-core once); PARM_TEST_REAL_TORCHRUN=1 runs the real command.
-    A launch past `timeout` is killed, every rank with it, and fails the test."""
+    imported torch and megatron-core once); with `real` or PARM_TEST_REAL_TORCHRUN=1, the real
+    command. A launch past `timeout` is killed, every rank with it, and fails the test."""
     env = {**os.environ, **LAUNCH_ENV, **(env or {})}
     argv = [str(a) for a in argv]
-    if os.environ.get("PARM_TEST_REAL_TORCHRUN") == "1":
+    if real or os.environ.get("PARM_TEST_REAL_TORCHRUN") == "1":
         result = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv], cwd=ROOT,
                                 capture_output=True, text=True, timeout=timeout, env=env)
         return result.returncode, result.stdout + result.stderr
@@ -162,12 +162,12 @@ def torchrun(argv: list, env: dict = None, timeout: float = 300) -> tuple:
 
 
 def launch(nproc: int, args: list, tmp_path: Path, timeout: float = 300,
-           script: str = "pretrain_gpt_moe.py", env: dict = None) -> Run:
+           script: str = "pretrain_gpt_moe.py", env: dict = None, real: bool = False) -> Run:
     losses_json = tmp_path / f"losses_{time.monotonic_ns()}.json"
     argv = ["--nproc-per-node", nproc, "--master-port", free_port(), script, *args,
             "--log-losses-json", losses_json]
     start = time.monotonic()
-    status, output = torchrun(argv, env, timeout)
+    status, output = torchrun(argv, env, timeout, real)
     seconds = time.monotonic() - start
     losses = json.loads(losses_json.read_text()) if losses_json.exists() else []
     return Run(status, output, seconds, losses)

@@ -158,6 +158,19 @@ def check_timing_report(output: str, flags: dict) -> None:
             assert 0 < float(fwd) + float(bwd) < whole, block
 
 
+def test_forked_launch_computes_what_torchrun_does(gpt_data, tmp_path):
+    """The tests' launches (tests/torchrun_server.py: torchrun --run-path --start-method fork
+    from a pre-imported process) against the real `python -m torch.distributed.run` on the
+    same 2-rank run, dropout on: bit-equal losses, load-balancing losses and expert counts."""
+    args = tiny_gpt_args(gpt_data, **{"expert-model-parallel-size": 2, "hidden-dropout": 0.1,
+                                      "train-iters": 3})
+    forked, real = launch(2, args, tmp_path), launch(2, args, tmp_path, real=True)
+    for run in (forked, real):
+        assert run.returncode == 0 and len(run.losses) == 3, run.output[-4000:]
+    for key in ("lm loss", "load_balancing_loss", "tokens per expert"):
+        assert forked.loss(key) == real.loss(key), key
+
+
 def test_reference_learns(reference):
     """Guards the comparison above against a model that does nothing."""
     losses = reference.loss()

@@ -20,8 +20,12 @@ from __future__ import annotations
 import sys
 
 
+def asks_for_wandb(argv: list) -> bool:
+    return any(a.startswith("--wandb-project") for a in argv)
+
+
 def skip_wandb_unless_asked(argv: list) -> None:
-    if "wandb" not in sys.modules and not any(a.startswith("--wandb-project") for a in argv):
+    if "wandb" not in sys.modules and not asks_for_wandb(argv):
         sys.modules["wandb"] = None  # `import wandb` now raises ImportError
 
 

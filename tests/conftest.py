@@ -153,7 +153,7 @@ def torchrun(argv: list, env: dict = None, timeout: float = 300, real: bool = Fa
         client.settimeout(timeout)
         try:
             status = int(replies.readline())
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             os.killpg(pid, 9)
             raise subprocess.TimeoutExpired(["torchrun", *argv], timeout)
     text = output.read_text(errors="replace")

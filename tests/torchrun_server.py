@@ -26,6 +26,8 @@ import select
 import socket
 import sys
 
+from parm_trainer.lazy_imports import asks_for_wandb
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRELOAD = ("pretrain_gpt_moe.py", "pretrain_bert_moe.py", "tools/generate.py")
 
@@ -54,8 +56,8 @@ def run_launch(request: dict) -> None:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
-        if any(a.startswith("--wandb-project") for a in request["argv"]) \
-                and sys.modules.get("wandb", 0) is None:
+        if asks_for_wandb(request["argv"]) and "wandb" in sys.modules \
+                and sys.modules["wandb"] is None:  # the preload's skip_wandb_unless_asked
             del sys.modules["wandb"]  # this run logs to wandb: let it import it
         from torch.distributed.run import main
 

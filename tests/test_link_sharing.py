@@ -204,25 +204,23 @@ def test_pipeline_steps_price_warm_up_at_the_ranks_computing():
     # alone, a stage's 2 ranks compute at 0.5 x the time of all 4 at once: faster than flat
     assert played[0] < sum(base["steps_s"])
 
-    chunks = split(cost.pieces(), 4, cost)  # 2 virtual stages per rank
+    chunks = split(cost.pieces(), 4, cost)  # 2 virtual stages per rank: played out too
     ranks = predict(chunks, cost, 2, 2, 4)["ranks"]
     shared = predict(chunks, ModelCost(args, curve), 2, 2, 4)["steps_s"]
-    slowest = max(r["time_s"] for r in ranks)
-    steady = shared[0] / (slowest / 2)  # both stages working: between 2 and 4 ranks computing
-    assert 0.5 < steady <= 1.0 + 1e-9 and shared[:7] == [shared[0]] * 7
-    # rank 0: its forwards with 1 stage working (2 ranks: 0.5), its backwards with 2
-    assert shared[7] == pytest.approx(
-        (0.5 * ranks[0]["forward_s"] + steady * ranks[0]["backward_s"]) / 2, rel=1e-3)
-    assert shared[8] == pytest.approx(
-        (steady * ranks[1]["forward_s"] + 0.5 * ranks[1]["backward_s"]) / 2, rel=1e-3)
+    stages = [ranks[s % 2]["chunks"][s // 2] for s in range(4)]  # stage s: chunk s // P
+    work = [{"F": c["forward_s"], "B": c["backward_s"]} for c in stages]
+    assert sum(c["forward_s"] for c in ranks[1]["chunks"]) == pytest.approx(ranks[1]["forward_s"])
+    assert shared == [pytest.approx(one_f_one_b(work, idle * 2, 2, 4, 2, curve.concurrency, 2),
+                                    rel=1e-3)]
+    assert shared[0] < sum(predict(chunks, cost, 2, 2, 4)["steps_s"])
 
 
 def test_one_f_one_b_played_out_by_hand():
     """pipeline_sim against makespans worked out by hand from megatron's 1F1B order."""
     from parm_trainer.planning.pipeline_sim import one_f_one_b, order
 
-    assert order(2, 2) == [[("F", 0), ("F", 1), ("B", 0), ("B", 1)],
-                           [("F", 0), ("B", 0), ("F", 1), ("B", 1)]]
+    assert order(2, 2) == [[("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("B", 1, 0)],
+                           [("F", 0, 0), ("B", 0, 0), ("F", 1, 0), ("B", 1, 0)]]
     balanced = [{"F": 1.0, "B": 2.0}] * 3
     none = [{"F": 0.0, "B": 0.0}] * 3
     # one factor for any number computing: (m + P - 1) (f + b), all compute or all links
@@ -235,6 +233,38 @@ def test_one_f_one_b_played_out_by_hand():
     factor = {1: 0.5, 2: 1.0}
     makespan = one_f_one_b(balanced[:2], none[:2], 2, 2, 1, lambda k: factor[round(k)])
     assert makespan == pytest.approx(6 * 0.5 + 3 * 1.0)
+
+
+def test_interleaved_played_out_by_hand():
+    """megatron's interleaved order (get_schedule_table, its warm-up counts) and its makespan
+    worked out by hand; balanced, the closed form (m + (P - 1) / V) x a rank's time."""
+    from parm_trainer.planning.pipeline_sim import one_f_one_b, order
+
+    # rank 0 warms up (P - 1) x 2 + (V - 1) x P = 4 forwards (all), rank 1 2
+    assert order(2, 2, 2) == [
+        [("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("F", 1, 1),
+         ("B", 0, 1), ("B", 1, 1), ("B", 0, 0), ("B", 1, 0)],
+        [("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("B", 0, 1),
+         ("F", 1, 1), ("B", 1, 1), ("B", 0, 0), ("B", 1, 0)]]
+    chunk = [{"F": 1.0, "B": 2.0}] * 4
+    none = [{"F": 0.0, "B": 0.0}] * 4
+    # the 4 stages' forwards of micro-batches 0, 1 end at 4; rank 1's last-stage backward of
+    # micro-batch 0 (4-6), its forward of 1 (6-7) and backward (7-9); rank 0's chunk 1
+    # backwards (6-8, 9-11), then the chunk 0 backwards on both ranks (to 13 and 15)
+    assert one_f_one_b(chunk, none, 2, 2, 1, lambda k: 1.0, vp=2) == pytest.approx(15.0)
+    assert one_f_one_b(chunk, none, 2, 4, 1, lambda k: 1.0, vp=2) == pytest.approx((4 + 0.5) * 6)
+    # a slower first chunk holds the whole schedule back; a slower last one does too
+    slow = [{"F": 2.0, "B": 4.0}, *chunk[1:]]
+    assert one_f_one_b(slow, none, 2, 4, 1, lambda k: 1.0, vp=2) > 27.0
+
+
+def test_wait_at_a_call_scales_with_the_compute_rate():
+    """The wait at a collective call is time on a peer still computing: a profile with compute
+    `factor` times as long has it `factor` times as long too."""
+    profile = _profile(layer={"comm_factor": 1.0, "compute_factor": 1.0, "host_s_per_step": 0.0,
+                              "s_per_call": 0.004})
+    assert profile.scaled_compute(0.5).layer[3] == pytest.approx(0.002)
+    assert profile.scaled_compute(0.5).layer[:3] == profile.layer[:3]
 
 
 def test_memory_rate_is_fitted_on_relative_errors():

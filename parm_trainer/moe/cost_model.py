@@ -247,11 +247,15 @@ class Profile:
 
     def scaled_compute(self, factor: float) -> "Profile":
         """This profile with compute and memory work (alpha and beta: on shared cores the
-        host's part slows down too) `factor` times as long."""
+        host's part slows down too) `factor` times as long, and the wait at a collective call
+        (layer s_per_call) too: it is time spent on a peer still computing, measured with
+        every rank computing (calibrate_comm), so it stretches and shrinks with the rate."""
         if factor == 1.0:
             return self
         memory = None if self.memory is None else tuple(v * factor for v in self.memory)
-        return replace(self, compute=tuple(v * factor for v in self.compute), memory=memory)
+        layer = (*self.layer[:3], self.layer[3] * factor)
+        return replace(self, compute=tuple(v * factor for v in self.compute), memory=memory,
+                       layer=layer)
 
     def to_json(self, path: Optional[str] = None) -> str:
         """Exact alpha/beta in seconds; written to `path` too when given."""

@@ -3,74 +3,103 @@
 Where ranks share cores (Profile.compute_concurrency: a CPU host running several ranks), a rank
 waiting in a bubble or on its neighbour leaves the cores to the ranks that compute, and those
 run faster. A closed form over the steps (stages._pipeline_steps) prices that only on average;
-here each rank runs megatron's 1F1B order (warm-up forwards, then one forward and one backward
-at a time, then the cool-down backwards), a task starts when the neighbour it waits on is done
-(a forward on the previous rank's forward of that micro-batch, a backward on the next rank's
-backward of it), and at every moment the compute of the tasks running is priced at the factor
-of the ranks computing at once:
+here each rank runs megatron's order, plain 1F1B or interleaved (warm-up forwards, then one
+forward and one backward at a time, then the cool-down backwards; interleaved, V chunks per rank
+in the order of megatron's schedule table), a task starts when the neighbour it waits on is done
+(a forward on the previous stage's forward of that micro-batch, a backward on the next stage's
+backward of it, the last stage's on its own forward), and at every moment the compute of the
+tasks running is priced at the factor of the ranks computing at once:
 
     makespan = one_f_one_b(work, other, pp=2, microbatches=4, ranks_per_stage=2, factor=f)
 
-work[r] and other[r] are {"F": s, "B": s}: pipeline rank r's compute per micro-batch at the
-profile's calibrated rate (factor 1) and the rest of its time (links, waits on peers), which
-run interleaved within a task, so a task computes for its share work x f / (work x f + other)
-of its time; the ranks computing at once are ranks_per_stage x the sum of the running tasks'
-shares, the factor of that many (a fixed point, as stages.py's steady state).
+work[s] and other[s] are {"F": s, "B": s}: stage s's compute per micro-batch at the profile's
+calibrated rate (factor 1) and the rest of its time (links, waits on peers), which run
+interleaved within a task, so a task computes for its share work x f / (work x f + other) of
+its time; the ranks computing at once are ranks_per_stage x the sum of the running tasks'
+shares, the factor of that many (a fixed point, as stages.py's steady state). Stage s is chunk
+s // P of pipeline rank s % P (megatron's placement); with V = 1 the stages are the ranks.
 """
 
 from __future__ import annotations
 
 
-def order(pp: int, microbatches: int) -> list:
-    """Per pipeline rank, megatron's 1F1B task order: ("F" | "B", micro-batch)."""
+def warmup(pp: int, vp: int, microbatches: int, rank: int) -> int:
+    """megatron's warm-up forwards on `rank`: P - rank - 1, interleaved (P - rank - 1) x 2 +
+    (V - 1) x P; at most every forward."""
+    count = pp - rank - 1 if vp == 1 else (pp - rank - 1) * 2 + (vp - 1) * pp
+    return min(count, microbatches * vp)
+
+
+def table(pp: int, vp: int, microbatches: int) -> list:
+    """The forward order of (micro-batch, chunk), megatron's get_schedule_table: groups of P
+    micro-batches, chunk by chunk (the last group takes what is left)."""
+    if vp == 1:
+        return [(i, 0) for i in range(microbatches)]
+    out = []
+    for start in range(0, microbatches, pp):
+        end = microbatches if start + pp >= microbatches else start + pp
+        out += [(i, c) for c in range(vp) for i in range(start, end)]
+    return out
+
+
+def order(pp: int, microbatches: int, vp: int = 1) -> list:
+    """Per pipeline rank, megatron's task order: ("F" | "B", micro-batch, chunk); the backward
+    runs the table's chunks mirrored (the last chunk first)."""
+    forwards = [("F", i, c) for i, c in table(pp, vp, microbatches)]
+    backwards = [("B", i, vp - 1 - c) for i, c in table(pp, vp, microbatches)]
     orders = []
     for r in range(pp):
-        warm = min(pp - r - 1, microbatches)
-        tasks = [("F", i) for i in range(warm)]
-        for i in range(microbatches - warm):
-            tasks += [("F", warm + i), ("B", i)]
-        orders.append(tasks + [("B", i) for i in range(microbatches - warm, microbatches)])
+        warm = warmup(pp, vp, microbatches, r)
+        tasks = forwards[:warm]
+        for k in range(len(forwards) - warm):
+            tasks += [forwards[warm + k], backwards[k]]
+        orders.append(tasks + backwards[len(forwards) - warm:])
     return orders
 
 
 def _factor_at(tasks: dict, work: list, other: list, size: int, factor) -> float:
     f = factor(size * len(tasks))
     for _ in range(8):
-        share = sum(work[r][d] * f / (work[r][d] * f + other[r][d])
-                    if work[r][d] * f + other[r][d] > 0 else 0.0 for r, d in tasks.items())
+        share = sum(work[s][d] * f / (work[s][d] * f + other[s][d])
+                    if work[s][d] * f + other[s][d] > 0 else 0.0 for s, d in tasks.values())
         f = 0.5 * (f + factor(size * share))
     return f
 
 
 def one_f_one_b(work: list, other: list, pp: int, microbatches: int, ranks_per_stage: int,
-                factor) -> float:
+                factor, vp: int = 1) -> float:
     """Seconds from the first forward to the last backward (module docstring)."""
-    orders, done, at = order(pp, microbatches), set(), [0] * pp
+    orders, done, at = order(pp, microbatches, vp), set(), [0] * pp
     left = [None] * pp  # the share of its current task a rank has still to run
+    last = pp * vp - 1
     clock = 0.0
 
     def ready(r):
-        d, i = orders[r][at[r]]
+        d, i, c = orders[r][at[r]]
+        s = c * pp + r
         if d == "F":
-            return r == 0 or ("F", r - 1, i) in done
-        return ("F", r, i) in done if r == pp - 1 else ("B", r + 1, i) in done
+            return s == 0 or ("F", s - 1, i) in done
+        return ("F", s, i) in done if s == last else ("B", s + 1, i) in done
 
     while True:
         for r in range(pp):
             if left[r] is None and at[r] < len(orders[r]) and ready(r):
                 left[r] = 1.0
-        tasks = {r: orders[r][at[r]][0] for r in range(pp) if left[r] is not None}
+        tasks = {}
+        for r in range(pp):
+            if left[r] is not None:
+                d, _, c = orders[r][at[r]]
+                tasks[r] = (c * pp + r, d)
         if not tasks:
             if any(a < len(o) for a, o in zip(at, orders)):
-                raise RuntimeError("1F1B order deadlocked")  # not reachable for 1F1B
+                raise RuntimeError("pipeline order deadlocked")  # not reachable for megatron's
             return clock
         f = _factor_at(tasks, work, other, ranks_per_stage, factor)
-        length = {r: work[r][d] * f + other[r][d] for r, d in tasks.items()}
+        length = {r: work[s][d] * f + other[s][d] for r, (s, d) in tasks.items()}
         step = min(left[r] * length[r] for r in tasks)
         clock += step
-        for r in tasks:
+        for r, (s, d) in tasks.items():
             left[r] = left[r] - step / length[r] if length[r] > 0 else 0.0
             if left[r] <= 1e-9:
-                d, i = orders[r][at[r]]
-                done.add((d, r, i))
+                done.add((d, s, orders[r][at[r]][1]))
                 left[r], at[r] = None, at[r] + 1

@@ -16,10 +16,8 @@ Iteration time (predict): with t_r a rank's time per micro-batch (its chunks, pl
 transfers at its chunk boundaries, each priced for the rank pairs that cross it at once) and m
 micro-batches, (m V - 1) x max t_r / V plus one micro-batch's pass through every rank, sum t_r /
 V (_pipeline_steps; (m + (P - 1) / V) x max t_r for balanced stages; where ranks share cores,
-each part priced at the compute rate of the ranks working in it, and plain 1F1B played out
-task by task instead, pipeline_sim.py: ranks in a bubble leave the cores to those computing),
-plus the slowest rank's
-gradient reduction (with a tied embedding, the first and last ranks' all-reduce of its
+the schedule, plain or interleaved, played out task by task instead, pipeline_sim.py: ranks in
+a bubble leave the cores to those computing), plus the slowest rank's gradient reduction (with a tied embedding, the first and last ranks' all-reduce of its
 gradient too) and optimizer step.
 """
 
@@ -29,7 +27,7 @@ import math
 from dataclasses import dataclass
 
 from parm_trainer.planning.model_cost import ModelCost
-from parm_trainer.planning.pipeline_sim import one_f_one_b
+from parm_trainer.planning.pipeline_sim import one_f_one_b, table, warmup
 
 
 class LayoutError(ValueError):
@@ -127,21 +125,13 @@ def live_micro_batches(pp: int, vp: int, microbatches: int, rank: int) -> list:
     interleaved, (P - rank - 1) x 2 + (V - 1) x P of them in the order of its schedule table
     (groups of P micro-batches, chunk by chunk; the backward mirrors the chunks), then one
     forward and one backward at a time, then the remaining backwards."""
-    total = microbatches * vp
-    if vp == 1:
-        order = [0] * microbatches
-        warmup = min(pp - rank - 1, total)
-    else:
-        order = []  # megatron's get_schedule_table: the last group takes what is left
-        for start in range(0, microbatches, pp):
-            group = microbatches - start if start + pp >= microbatches else pp
-            order += [chunk for chunk in range(vp) for _ in range(group)]
-        warmup = min((pp - rank - 1) * 2 + (vp - 1) * pp, total)
+    order = [chunk for _, chunk in table(pp, vp, microbatches)]
+    warm, total = warmup(pp, vp, microbatches, rank), microbatches * vp
     live, snapshots, backward = [0] * vp, [], 0
     for step in range(total):
         live[order[step]] += 1
         snapshots.append(list(live))
-        if step >= warmup:
+        if step >= warm:
             live[vp - 1 - order[backward]] -= 1
             backward += 1
     return snapshots
@@ -191,10 +181,13 @@ def _rank_times(runs: list, cost: ModelCost, pp: int, tied: bool = True) -> list
         compute = sum(p.total_s for p in run)
         p2p = sum(cost.p2p_s(c % pp, other % pp) for other in (c - 1, c + 1)
                   if 0 <= other < len(runs))
+        chunk = {"forward_s": sum(p.forward_s for p in run) + p2p,
+                 "backward_s": sum(p.backward_s for p in run) + p2p}
+        rank.setdefault("chunks", []).append(chunk)
         rank["compute_s"] += compute
         rank["time_s"] += compute + 2 * p2p
-        rank["forward_s"] += sum(p.forward_s for p in run) + p2p
-        rank["backward_s"] += sum(p.backward_s for p in run) + p2p
+        rank["forward_s"] += chunk["forward_s"]
+        rank["backward_s"] += chunk["backward_s"]
         params, experts = _stage_params(run, tied)
         rank["params"] += params
         rank["expert_params"] += experts
@@ -207,11 +200,11 @@ def _pipeline_steps(runs, cost, pp, vp, microbatches, ranks) -> list:
     forward (in the warm-up, r + 1 ranks working) and backward (in the cool-down, P - r):
     (m V - 1) max t_r / V + sum t_r / V, which is (m + (P - 1) / V) max t_r for balanced
     stages and less where only some are slow (DAPPLE's and Alpa's estimate).
-    Where ranks share cores (Profile.compute_concurrency), a step with a pipeline ranks
-    working is priced at the compute rate of the ranks computing at once: the a stages'
-    ranks times the share of the step they compute rather than wait on a link or a peer (a
-    fixed point: faster compute leaves more of the step waiting). There, plain 1F1B over
-    several stages is played out task by task instead (_played_out): one step, its makespan."""
+    Where ranks share cores (Profile.compute_concurrency), the steps are priced at the
+    compute rate of the ranks computing at once: the ranks working times the share of the
+    step they compute rather than wait on a link or a peer (a fixed point: faster compute
+    leaves more of the step waiting); over several stages the schedule, plain or interleaved,
+    is played out task by task instead (_played_out): one step, its makespan."""
     size = cost.args.world_size // pp
     lengths = [len(run) for run in runs]
     priced = {1.0: ranks}
@@ -227,8 +220,8 @@ def _pipeline_steps(runs, cost, pp, vp, microbatches, ranks) -> list:
             priced[factor] = _rank_times(again, scaled, pp)
         return priced[factor]
 
-    if cost.profile.compute_concurrency and pp > 1 and vp == 1:
-        return [_played_out(ranks, times(1e-3), pp, microbatches, size, cost.profile)]
+    if cost.profile.compute_concurrency and pp > 1:
+        return [_played_out(ranks, times(1e-3), pp, vp, microbatches, size, cost.profile)]
     factors = {}
 
     def working(active):
@@ -255,13 +248,16 @@ def _pipeline_steps(runs, cost, pp, vp, microbatches, ranks) -> list:
     return steps
 
 
-def _played_out(ranks, waiting, pp, microbatches, size, profile) -> float:
-    """Plain 1F1B on ranks that share cores, task by task (pipeline_sim.py): each rank's
-    compute is its time less `waiting`, its time with compute (nearly) free: links and peers."""
-    work = [{"F": r["forward_s"] - w["forward_s"], "B": r["backward_s"] - w["backward_s"]}
-            for r, w in zip(ranks, waiting)]
-    other = [{"F": w["forward_s"], "B": w["backward_s"]} for w in waiting]
-    return one_f_one_b(work, other, pp, microbatches, size, profile.concurrency)
+def _played_out(ranks, waiting, pp, vp, microbatches, size, profile) -> float:
+    """1F1B, plain or interleaved, on ranks that share cores, task by task (pipeline_sim.py):
+    each chunk's compute is its time less `waiting`, its time with compute (nearly) free: links
+    and peers. Stage s is chunk s // P of rank s % P."""
+    stages = [(ranks[s % pp]["chunks"][s // pp], waiting[s % pp]["chunks"][s // pp])
+              for s in range(pp * vp)]
+    work = [{"F": c["forward_s"] - w["forward_s"], "B": c["backward_s"] - w["backward_s"]}
+            for c, w in stages]
+    other = [{"F": w["forward_s"], "B": w["backward_s"]} for _, w in stages]
+    return one_f_one_b(work, other, pp, microbatches, size, profile.concurrency, vp)
 
 
 def auto_layout(args, log=print) -> str:

@@ -256,6 +256,7 @@ def test_interleaved_played_out_by_hand():
     # a slower first chunk holds the whole schedule back; a slower last one does too
     slow = [{"F": 2.0, "B": 4.0}, *chunk[1:]]
     assert one_f_one_b(slow, none, 2, 4, 1, lambda k: 1.0, vp=2) > 27.0
+    assert one_f_one_b([*chunk[:3], slow[0]], none, 2, 4, 1, lambda k: 1.0, vp=2) > 27.0
 
 
 def test_wait_at_a_call_scales_with_the_compute_rate():

@@ -45,8 +45,9 @@ def table(pp: int, vp: int, microbatches: int) -> list:
 def order(pp: int, microbatches: int, vp: int = 1) -> list:
     """Per pipeline rank, megatron's task order: ("F" | "B", micro-batch, chunk); the backward
     runs the table's chunks mirrored (the last chunk first)."""
-    forwards = [("F", i, c) for i, c in table(pp, vp, microbatches)]
-    backwards = [("B", i, vp - 1 - c) for i, c in table(pp, vp, microbatches)]
+    forward_order = table(pp, vp, microbatches)
+    forwards = [("F", i, c) for i, c in forward_order]
+    backwards = [("B", i, vp - 1 - c) for i, c in forward_order]
     orders = []
     for r in range(pp):
         warm = warmup(pp, vp, microbatches, r)

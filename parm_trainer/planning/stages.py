@@ -17,8 +17,8 @@ transfers at its chunk boundaries, each priced for the rank pairs that cross it 
 micro-batches, (m V - 1) x max t_r / V plus one micro-batch's pass through every rank, sum t_r /
 V (_pipeline_steps; (m + (P - 1) / V) x max t_r for balanced stages; where ranks share cores,
 the schedule, plain or interleaved, played out task by task instead, pipeline_sim.py: ranks in
-a bubble leave the cores to those computing), plus the slowest rank's gradient reduction (with a tied embedding, the first and last ranks' all-reduce of its
-gradient too) and optimizer step.
+a bubble leave the cores to those computing), plus the slowest rank's gradient reduction (with
+a tied embedding, the first and last ranks' all-reduce of its gradient too) and optimizer step.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def _rank_times(runs: list, cost: ModelCost, pp: int, tied: bool = True) -> list
     and a receive at each chunk boundary, priced for the rank pairs of that boundary) and
     parameters."""
     ranks = [{"time_s": 0.0, "compute_s": 0.0, "forward_s": 0.0, "backward_s": 0.0,
-              "params": 0.0, "expert_params": 0.0} for _ in range(pp)]
+              "params": 0.0, "expert_params": 0.0, "chunks": []} for _ in range(pp)]
     for c, run in enumerate(runs):
         rank = ranks[c % pp]
         compute = sum(p.total_s for p in run)
@@ -183,7 +183,7 @@ def _rank_times(runs: list, cost: ModelCost, pp: int, tied: bool = True) -> list
                   if 0 <= other < len(runs))
         chunk = {"forward_s": sum(p.forward_s for p in run) + p2p,
                  "backward_s": sum(p.backward_s for p in run) + p2p}
-        rank.setdefault("chunks", []).append(chunk)
+        rank["chunks"].append(chunk)
         rank["compute_s"] += compute
         rank["time_s"] += compute + 2 * p2p
         rank["forward_s"] += chunk["forward_s"]

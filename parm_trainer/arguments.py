@@ -51,6 +51,11 @@ def _model_group(parser):
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="Pad the vocabulary to a multiple of lcm(this, MP) (Megatron-LM pads to "
                         "this x MP, which changes the model with the layout).")
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
+                   help="Layer implementation (Megatron-LM's flag): megatron-core's local "
+                        "modules (the default here; they run everywhere, and use apex's fused "
+                        "LayerNorm where apex is installed) or Transformer Engine's fused ones "
+                        "(NVIDIA GPUs with transformer_engine installed; Megatron-LM's default).")
     g.add_argument("--init-method-std", type=float, default=0.02,
                    help="Std of the normal weight init (output projections scaled by 1/sqrt(2L)).")
 
@@ -99,6 +104,12 @@ def _moe_group(parser):
                         "in one hop, never relayed) or padded (the dispatched (E, C, M) layout, "
                         "every expert padded to the capacity; also chosen by "
                         "--moe-pad-expert-input-to-capacity).")
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="Each rank's experts in grouped GEMMs (Megatron-LM's flag): Transformer "
+                        "Engine's TEGroupedMLP with --transformer-impl transformer_engine, else "
+                        "megatron-core's GroupedMLP (--bf16 only, as megatron-core's; the "
+                        "grouped_gemm package on GPUs, one matmul per expert on CPU). The "
+                        "checkpoint is the same as without it.")
     g.add_argument("--moe-parm-cost-profile", default=None,
                    help="Cluster cost profile (JSON) for --moe-parm-schedule auto; default: a "
                         "built-in A100 profile (assumed numbers).")
@@ -384,9 +395,34 @@ def _check(args) -> None:
                                  f"{getattr(args, flag)}")
     if not 0 <= args.min_lr <= args.lr:
         raise ArgumentsError(f"--min-lr {args.min_lr} must be between 0 and --lr {args.lr}")
+    _check_backend(args)
     if not _split_is_valid(args.split):
         raise ArgumentsError(f"--split {args.split!r} must be up to three non-negative "
                              f"train,valid,test proportions with a positive sum, e.g. 969,30,1")
+
+
+def _check_backend(args) -> None:
+    """--transformer-impl and --moe-grouped-gemm ask for libraries a machine may not have."""
+    from parm_trainer.models.backend import installed as _installed
+
+    te = args.transformer_impl == "transformer_engine"
+    if te and not _installed("transformer_engine"):
+        raise ArgumentsError("--transformer-impl transformer_engine: Transformer Engine is not "
+                             "installed (pip install transformer_engine[pytorch] on a GPU "
+                             "machine); --transformer-impl local runs everywhere")
+    if te and not torch.cuda.is_available():
+        raise ArgumentsError("--transformer-impl transformer_engine needs CUDA GPUs; "
+                             "--transformer-impl local runs on CPU")
+    if args.moe_grouped_gemm and args.num_experts and not te:
+        for missing, flag in ((not args.bf16, "--bf16"),
+                              (not args.disable_bias_linear, "--disable-bias-linear")):
+            if missing:
+                raise ArgumentsError(f"--moe-grouped-gemm with --transformer-impl local runs "
+                                     f"megatron-core's GroupedMLP, which needs {flag}")
+        if torch.cuda.is_available() and not _installed("grouped_gemm"):
+            raise ArgumentsError("--moe-grouped-gemm needs Transformer Engine (--transformer-impl"
+                                 " transformer_engine) or the grouped_gemm package "
+                                 "(pip install git+https://github.com/fanshiqing/grouped_gemm)")
 
 
 def _split_is_valid(split: str) -> bool:

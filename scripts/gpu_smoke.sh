@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check: under 5 minutes on one machine with NVIDIA GPUs (NCCL collectives against
-# gloo, the MoE schedules against the reference in fp32 and bf16, a timed layer table and a
-# short bf16 pretrain), one summary table at the end; tools/gpu_smoke.py says what each stage
+# gloo, the MoE schedules against the reference in fp32 and bf16, again with grouped-GEMM
+# experts (Transformer Engine's where installed), a timed layer table and a short bf16
+# pretrain), one summary table at the end; tools/gpu_smoke.py says what each stage
 # checks and its tolerances. --dry-run runs it all on CPU (the test suite does).
 #
 #   make setup data && bash scripts/gpu_smoke.sh            # on the GPU machine

@@ -97,7 +97,7 @@ def tiny_gpt_args(data, **overrides) -> list:
         "data-path": data["prefix"], "tokenizer-model": data["tokenizer"], "seed": 1234,
     }
     flags.update(overrides)
-    args = ["--disable-bias-linear"]
+    args = [] if flags.pop("bias-linear", False) else ["--disable-bias-linear"]
     for key, value in flags.items():
         if value is None:
             continue

@@ -185,6 +185,12 @@ PRETRAIN_CASES = [
     ("cost_profile_not_json", 1, ["--moe-parm-schedule", "auto", "--moe-parm-cost-profile",
                                   "{junk}/not_json.json"], 1,
      ["cost profile {junk}/not_json.json: not valid JSON"]),
+    # the libraries a layer implementation needs, and megatron's GroupedMLP's own limits
+    ("transformer_engine_missing", 1, ["--transformer-impl", "transformer_engine"], 1,
+     ["--transformer-impl transformer_engine: Transformer Engine is not installed"]),
+    ("grouped_gemm_fp32", 1, ["--moe-grouped-gemm"], 1,
+     ["--moe-grouped-gemm with --transformer-impl local runs megatron-core's GroupedMLP, "
+      "which needs --bf16"]),
     ("cost_profile_missing", 1, ["--moe-parm-schedule", "auto", "--moe-parm-cost-profile",
                                  "{junk}/nothing.json"], 1,
      ["--moe-parm-cost-profile {junk}/nothing.json: no such file"]),

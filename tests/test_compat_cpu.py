@@ -83,6 +83,7 @@ COVERAGE = {
         "test_moe_utils_te_general_gemm_still_needed",
         "test_moe_utils_te_general_gemm_patched",
     ),
+    "patch_grouped_gemm": ("test_grouped_gemm_still_needed", "test_grouped_gemm_patched"),
 }
 
 
@@ -158,6 +159,9 @@ errors = {
     "tensor_cuda": failure(lambda: torch.ones(2).cuda()),
     "te_general_gemm": failure(lambda: moe_utils.RouterGatingLinearFunction.apply(
         torch.ones(2, 4), torch.ones(3, 4), None, torch.float32)),
+    "grouped_gemm": failure(lambda: __import__(
+        "megatron.core.transformer.moe.grouped_gemm_util", fromlist=["x"]
+    ).assert_grouped_gemm_is_available()),
     "clip_type_assert": failure(
         lambda: clip_grad_by_total_norm_fp32([fp32_param_with_grad()], 1.0, 0.5)),
 }
@@ -649,6 +653,39 @@ def test_moe_utils_te_general_gemm_patched(patched):
     torch.testing.assert_close(out, inp @ weight.t())
     out.sum().backward()
     torch.testing.assert_close(inp.grad, torch.ones(2, 3, 5) @ weight.detach())
+
+
+# --- patch_grouped_gemm -----------------------------------------------------------------------
+
+
+def test_grouped_gemm_still_needed(unpatched_failures):
+    """Without the grouped_gemm package (CUDA only), megatron's GroupedMLP refuses to run."""
+    assert_fails(unpatched_failures, "grouped_gemm", "AssertionError",
+                 "Grouped GEMM is not available")
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_grouped_gemm_patched(patched, trans_b):
+    """gmm multiplies each run of rows by its expert's matrix (an expert may get no rows), with
+    gradients: against every row times its own expert's matrix, gathered."""
+    from megatron.core.transformer.moe import grouped_gemm_util as gg
+
+    assert gg.grouped_gemm_is_available() and gg.ops.gmm is cpu.grouped_matmul
+    gen = torch.Generator().manual_seed(0)
+    sizes = torch.tensor([2, 0, 3, 1])
+    a = torch.randn(6, 5, generator=gen, requires_grad=True)
+    b = torch.randn(4, *((7, 5) if trans_b else (5, 7)), generator=gen, requires_grad=True)
+    out = gg.ops.gmm(a, b, sizes, trans_b=trans_b)
+    experts = torch.repeat_interleave(torch.arange(4), sizes)
+    per_row = b[experts].transpose(1, 2) if trans_b else b[experts]
+    want = torch.einsum("tk,tkn->tn", a, per_row)
+    torch.testing.assert_close(out, want)
+    grad = torch.randn(6, 7, generator=gen)
+    got_grads = torch.autograd.grad(out, (a, b), grad)
+    want_grads = torch.autograd.grad(want, (a, b), grad)
+    for got, expected in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, expected)
+    assert not got_grads[1][1].any()  # the expert with no rows gets no gradient
 
 
 # --- apply() ----------------------------------------------------------------------------------

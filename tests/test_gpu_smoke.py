@@ -17,14 +17,20 @@ def test_dry_run_every_stage_passes(gpt_data, tmp_path):
     rows = re.findall(r"^\| (.+?) +\| (\w+) \| [\d.]+ \| (.*) \|$", result.stdout, re.M)
     names = [name for name, _, _ in rows]
     assert names == ["environment", "collectives", "MoE layer fp32", "MoE layer bf16",
-                     "timed layer table", "short pretrain"], result.stdout[-4000:]
+                     "MoE layer, grouped experts", "timed layer table", "short pretrain"], \
+        result.stdout[-4000:]
     assert all(verdict == "ok" for _, verdict, _ in rows), rows
     detail = {name: text for name, _, text in rows}
     assert detail["collectives"] == "18/18 ops agree"
     assert detail["MoE layer fp32"].startswith("4 schedules")
     assert detail["MoE layer bf16"].startswith("4 schedules; worst rel L2")
+    # megatron's GroupedMLP (--moe-grouped-gemm) on CPU; the environment says so
+    assert detail["MoE layer, grouped experts"].startswith("4 schedules (GroupedMLP); worst")
+    assert "stage 5: --moe-grouped-gemm (GroupedMLP)" in detail["environment"]
     for schedule in ("s1", "s2", "auto", "megatron-alltoall", "megatron-allgather"):
         assert f"{schedule} " in detail["timed layer table"]
+    assert detail["short pretrain"].endswith(
+        "; qkv ColumnParallelLinear, norm WrappedTorchNorm, experts SequentialMLP")
     losses = re.search(r"lm loss ([\d.]+) -> ([\d.]+)", detail["short pretrain"])
     assert float(losses.group(2)) < float(losses.group(1))
     assert "schedule" in result.stdout and "fwd+bwd ms" in result.stdout  # the timed table

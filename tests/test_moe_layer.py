@@ -17,6 +17,8 @@ checks Parm's byte volumes at a fixed padded capacity against numbers computed h
 formulas of PARM.md and comm.py, and the exact exchange's bytes (the default) per rank and
 direction against the unique payload counted here from the routing of every rank's tokens.
 Top-1 to top-4, dropless and with a capacity factor, run on the exact and the padded exchange.
+It also runs every schedule in bf16 with the experts as SequentialMLP and in grouped GEMMs
+(--moe-grouped-gemm: megatron's GroupedMLP), both within bf16's error of the reference.
 
     .venv/bin/python -m pytest tests/test_moe_layer.py -q
 """
@@ -142,6 +144,24 @@ def check_correct(configs, runs):
                                     f"({result['reference_max_abs'][key]})")
             checked += 1
     return problems, checked
+
+
+# bf16 against the fp32 reference on the same (bf16) values: relative L2 error (gpu_smoke's)
+BF16_TOL = {"output": 2e-2, "input_grad": 2e-2, "gate_grad": 5e-2, "expert_grad": 5e-2}
+
+
+def check_grouped_gemm(plain, grouped):
+    """--moe-grouped-gemm: every schedule's experts are megatron's GroupedMLP, as exact as
+    SequentialMLP's in bf16; the errors are bf16's (not zero: bf16 ran) and the two agree."""
+    assert list(grouped["schedules"]) == list(SCHEDULES)
+    for schedule in SCHEDULES:
+        a, b = plain["schedules"][schedule], grouped["schedules"][schedule]
+        assert a["status"] == b["status"] == "ok", (schedule, a, b)
+        assert (a["experts"], b["experts"]) == ("SequentialMLP", "GroupedMLP"), schedule
+        for key, bound in BF16_TOL.items():
+            assert 1e-5 < b["rel_l2_diff"][key] <= bound, (schedule, key, b["rel_l2_diff"])
+            assert b["rel_l2_diff"][key] <= 1.5 * a["rel_l2_diff"][key] + 1e-3, \
+                (schedule, key, a["rel_l2_diff"], b["rel_l2_diff"])
 
 
 # --- 2 ranks ------------------------------------------------------------------------------
@@ -279,11 +299,16 @@ def test_four_ranks_every_layout_chunks_and_bytes(tmp_path):
                **{"step-times": True, "moe-parm-chunks": 2, "schedules": "s1,s2,megatron",
                   "iters": 3}),
     ]
-    runs, stdout = run_launch(4, configs, tmp_path, dump=tmp_path / "dump")
+    # bf16, each rank's experts as megatron's SequentialMLP and in grouped GEMMs (GroupedMLP)
+    grouped = [config(2, 2, 2, sp=True, name=f"bf16{suffix}",
+                      **{"bf16": True, "moe-grouped-gemm": bool(suffix), "moe-parm-chunks": 2})
+               for suffix in ("", "-grouped-gemm")]
+    runs, stdout = run_launch(4, configs + grouped, tmp_path, dump=tmp_path / "dump")
     check_step_times(runs["step-times"], stdout)
     problems, checked = check_correct(configs, runs)
     assert not problems, "\n".join(problems)
     assert checked >= 80
+    check_grouped_gemm(runs["bf16"], runs["bf16-grouped-gemm"])
 
     n, m, e, k, f = 64 * 2, 64, 4, 2, 1.0
     for name, sp in (("bytes", False), ("bytes-sp", True)):

@@ -432,12 +432,58 @@ def test_init_std_and_vectors(one_rank_world):
     assert any(p.dim() == 1 and n.endswith(".bias") for n, p in params.items())
 
 
+def test_grouped_gemm_needs_what_grouped_mlp_needs():
+    """megatron's GroupedMLP asserts bf16 and no biases when it runs; the flags say so first.
+    (Without CUDA it runs on the CPU layer's grouped matmul; with CUDA it needs the
+    grouped_gemm package, which tests/test_bad_input_inprocess.py cannot reach here.)"""
+    base = ["--num-experts", "4", "--moe-grouped-gemm"]
+    for flags, missing in (([], "--bf16"), (["--bf16"], "--disable-bias-linear")):
+        with pytest.raises(ArgumentsError, match=f"GroupedMLP, which needs {missing}$"):
+            parse_args(base + flags)
+    args = parse_args(base + ["--bf16", "--disable-bias-linear"])
+    assert args.moe_grouped_gemm and args.transformer_impl == "local"
+    parse_args(["--moe-grouped-gemm"])  # no experts, nothing grouped: accepted
+
+
 def test_init_is_deterministic_with_swiglu(one_rank_world):
     written, a = initialised(7, 1, "--swiglu")
     _, b = initialised(7, 2, "--swiglu")
     assert written >= sum(p.dim() >= 2 for p in a.values())  # SwiGLU fc1 is written in halves
     for name in a:
         assert torch.equal(a[name], b[name]), f"{name}: same seed, different weights"
+
+
+@pytest.mark.parametrize("activation", [(), ("--swiglu",)], ids=["gelu", "swiglu"])
+def test_init_of_grouped_gemm_experts_is_sequential_mlps(one_rank_world, activation):
+    """--moe-grouped-gemm (megatron's GroupedMLP: one weight1 [M, n H], one weight2 [n H, M])
+    gets the very weights SequentialMLP gets, expert by expert, and everything else alike."""
+    from parm_trainer.bench.weights import expert_matrices
+
+    models = {}
+    for extra in ((), ("--moe-grouped-gemm",)):
+        args, model = build_tiny(1, "--bf16", *activation, *extra)
+        init_weights_layout_free_for_test(model, args)
+        models[bool(extra)] = model
+    plain, grouped = models[False], models[True]
+    for layer in range(2):
+        a, b = (m.decoder.layers[layer].mlp.experts for m in (plain, grouped))
+        assert (type(a).__name__, type(b).__name__) == ("SequentialMLP", "GroupedMLP")
+        pairs = list(zip(expert_matrices(a), expert_matrices(b)))
+        assert len(pairs) == 4
+        for (fc1_a, fc2_a), (fc1_b, fc2_b) in pairs:
+            assert torch.equal(fc1_a, fc1_b) and torch.equal(fc2_a, fc2_b)
+            assert fc1_a.float().std() > STD / 2  # drawn, not megatron's or zeros
+    rest = {k: v for k, v in grouped.named_parameters() if ".experts." not in k}
+    for name, param in plain.named_parameters():
+        if ".experts." not in name:
+            assert torch.equal(param, rest.pop(name)), name
+    assert not rest
+
+
+def init_weights_layout_free_for_test(model, args):
+    from parm_trainer.models.init import init_weights_layout_free
+
+    return init_weights_layout_free(model, 7, STD, args.num_layers)
 
 
 # --- --help (last: its subprocess, _HELP, started at collection and ran beside the tests) ----------

@@ -3,17 +3,25 @@
 The GPU check (scripts/gpu_smoke.sh runs it): on one machine with NVIDIA GPUs, in a few
 minutes, each stage a command of the project's own, then one summary table.
 
-1. environment: torch, CUDA, the GPUs, NCCL; whether Transformer Engine and apex are installed
-   (the project builds megatron's local modules; neither is needed, none is used yet);
+1. environment: torch, CUDA, the GPUs, NCCL; whether Transformer Engine, apex and grouped_gemm
+   are installed and what the stages below use of them (megatron's local spec takes apex's
+   fused LayerNorm by itself; Transformer Engine is --transformer-impl transformer_engine);
 2. collectives: tools/check_collectives.py, comm.py's ops on NCCL against gloo (fp32, bf16);
 3. MoE layer fp32: tools/bench_moe_layer.py, every schedule against the reference: max abs
    diff <= 1e-5 x max(1, the reference's largest value) for output, input, gate and expert
    grads (TF32 off);
 4. MoE layer bf16: the same in bf16 against the fp32 reference on the same (bf16) values:
    relative L2 error <= 2e-2 for output and input grad, <= 5e-2 for gate and expert grads;
-5. timed table: bench_moe_layer at a larger shape, Parm's schedules and megatron's;
-6. short pretrain: 20 iterations of pretrain_gpt_moe.py in bf16 (fp32 with --dry-run) on the
-   demo data; the loss must be finite and fall.
+5. MoE layer, grouped experts: stage 4 with each rank's experts in grouped GEMMs
+   (--moe-grouped-gemm): Transformer Engine's TEGroupedMLP and fused layers where it is
+   installed (--transformer-impl transformer_engine), else megatron's GroupedMLP where the
+   grouped_gemm package is (--dry-run: GroupedMLP on CPU, one matmul per expert); the same
+   tolerances, and the experts must be the module named;
+6. timed table: bench_moe_layer at a larger shape, Parm's schedules and megatron's;
+7. short pretrain: 20 iterations of pretrain_gpt_moe.py in bf16 (fp32 with --dry-run) on the
+   demo data, with stage 5's flags where it ran (and LayerNorm where apex is installed and
+   Transformer Engine is not used, so apex's fused LayerNorm runs); the loss must be finite
+   and fall; the row names the modules megatron built.
 
 --dry-run runs every stage on CPU with gloo and small shapes (the test suite does), so the
 script is known to work before anyone spends GPU time on it. Ranks: one per GPU (NCCL needs
@@ -31,10 +39,13 @@ import subprocess
 import sys
 import time
 
+from parm_trainer.models.backend import grouped_experts, installed, library_report
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FP32_TOL = 1e-5
 BF16_TOL = {"output": 2e-2, "input_grad": 2e-2, "gate_grad": 5e-2, "expert_grad": 5e-2}
 DIFF_KEYS = ("output", "input_grad", "gate_grad", "expert_grad")
+NO_GROUPED = "skipped: neither Transformer Engine nor grouped_gemm is installed"
 
 
 def _run(command: list, timeout: float) -> tuple:
@@ -76,12 +87,11 @@ def stage_environment(args) -> tuple:
                   f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"]
     else:
         parts.append("no CUDA (dry run)" if args.dry_run else "no CUDA")
-    for module, label in (("transformer_engine", "Transformer Engine"), ("apex", "apex")):
-        try:
-            __import__(module)
-            parts.append(f"{label} installed (not used by the project's specs yet)")
-        except ImportError:
-            parts.append(f"{label} not installed")
+    parts.append(library_report(("transformer_engine", "apex", "grouped_gemm")))
+    flags, experts = grouped_experts(not args.dry_run)
+    parts.append(f"stage 5: {' '.join(flags)} ({experts})" if flags else f"stage 5: {NO_GROUPED}")
+    if installed("apex"):
+        parts.append("apex's FusedLayerNorm in megatron's local LayerNorm layers")
     ok = args.dry_run or torch.cuda.is_available()
     return ok, "; ".join(parts), ""
 
@@ -107,12 +117,12 @@ def _bench(args, extra: list, json_path: str, timeout: float) -> tuple:
         return json.load(f), output
 
 
-def _layer_check(args, bf16: bool) -> tuple:
-    shape = ["--num-experts", "4", "--moe-router-topk", "2", "--hidden-size", "64",
+def _layer_check(args, bf16: bool, extra=(), experts=None) -> tuple:
+    shape = [*extra, "--num-experts", "4", "--moe-router-topk", "2", "--hidden-size", "64",
              "--moe-ffn-hidden-size", "128", "--seq-length", "32", "--micro-batch-size", "2",
              "--moe-aux-loss-coeff", "0.01", "--iters", "0", "--warmup", "0",
              "--schedules", "baseline,s1,s2,megatron", "--moe-parm-chunks", "2"]
-    name = "bf16" if bf16 else "fp32"
+    name = ("bf16" if bf16 else "fp32") + ("_grouped" if extra else "")
     run, output = _bench(args, shape + (["--bf16"] if bf16 else []),
                          os.path.join(args.out_dir, f"layer_{name}.json"), 300)
     if run is None:
@@ -122,6 +132,8 @@ def _layer_check(args, bf16: bool) -> tuple:
         if result["status"] != "ok":
             continue  # a schedule the layout cannot run (the table says why)
         rows += 1
+        if experts and result.get("experts") != experts:
+            problems.append(f"{schedule} built {result.get('experts')}, not {experts}")
         for key in DIFF_KEYS:
             if bf16:
                 value, bound = result["rel_l2_diff"][key], BF16_TOL[key]
@@ -132,7 +144,8 @@ def _layer_check(args, bf16: bool) -> tuple:
             if not value <= bound:
                 problems.append(f"{schedule} {key} {value:.1e} > {bound:.1e}")
     measure = "rel L2" if bf16 else "max abs"
-    detail = f"{rows} schedules; worst {measure}: " + ", ".join(
+    detail = f"{rows} schedules{f' ({experts})' if experts else ''}; worst {measure}: " + \
+        ", ".join(
         f"{k} {v:.1e}" for k, v in worst.items())
     if problems:
         detail += "; " + "; ".join(problems)
@@ -145,6 +158,13 @@ def stage_layer_fp32(args) -> tuple:
 
 def stage_layer_bf16(args) -> tuple:
     return _layer_check(args, bf16=True)
+
+
+def stage_layer_grouped(args) -> tuple:
+    flags, experts = grouped_experts(not args.dry_run)
+    if not flags:
+        return None, NO_GROUPED, ""
+    return _layer_check(args, bf16=True, extra=flags, experts=experts)
 
 
 def stage_timed(args) -> tuple:
@@ -167,6 +187,18 @@ def stage_timed(args) -> tuple:
     return bool(times), f"fwd+bwd: {detail}", table
 
 
+def pretrain_backend(args) -> list:
+    """Stage 5's flags for the bf16 pretrain (the fp32 dry run keeps SequentialMLP: megatron's
+    GroupedMLP is bf16 only), and LayerNorm where apex is installed and Transformer Engine is
+    not used (megatron's local spec takes apex's fused LayerNorm; it has no fused RMSNorm)."""
+    if args.dry_run:
+        return []
+    flags, _ = grouped_experts(cuda=True)
+    if installed("apex") and "transformer_engine" not in flags:
+        flags = [*flags, "--normalization", "LayerNorm"]
+    return flags
+
+
 def stage_pretrain(args) -> tuple:
     dtype = [] if args.dry_run else ["--bf16"]
     if not os.path.exists(args.data_path + ".idx"):
@@ -184,22 +216,28 @@ def stage_pretrain(args) -> tuple:
         "--hidden-dropout", "0",
         "--attention-dropout", "0", "--data-path", args.data_path, "--tokenizer-model",
         args.tokenizer_model, "--data-cache-path", os.path.join(args.out_dir, "data_cache"),
-        "--timing-log-level", "1", *parallel, *dtype]
+        "--timing-log-level", "1", *parallel, *dtype, *pretrain_backend(args)]
     status, output = _run(command, 600)
     losses = [float(v) for v in re.findall(r"^iteration .*?\| lm loss ([\d.naninf]+)",
                                            output, re.M)]
     speed = re.findall(r"ms/iter ([\d.]+) \| tokens/s (\d+)", output)
     ok = status == 0 and len(losses) >= 2 and all(v == v and v < 1e9 for v in losses) \
         and losses[-1] < losses[0]
-    detail = (f"{'bf16' if dtype else 'fp32'} on {nproc} rank(s), lm loss "
+    backend = " ".join(pretrain_backend(args))
+    detail = (f"{'bf16' if dtype else 'fp32'}{f' {backend}' if backend else ''} on {nproc} "
+              f"rank(s), lm loss "
               f"{losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "no iteration logged")
     if speed:
         detail += f", last interval {speed[-1][0]} ms/iter, {speed[-1][1]} tokens/s"
+    modules = re.search(r"^modules \(.*?\): (.*?);", output, re.M)  # what megatron built
+    if modules:
+        detail += f"; {modules.group(1)}"
     return ok, detail, output
 
 
 STAGES = (("environment", stage_environment), ("collectives", stage_collectives),
           ("MoE layer fp32", stage_layer_fp32), ("MoE layer bf16", stage_layer_bf16),
+          ("MoE layer, grouped experts", stage_layer_grouped),
           ("timed layer table", stage_timed), ("short pretrain", stage_pretrain))
 
 
@@ -212,7 +250,7 @@ def main(argv=None) -> int:
     p.add_argument("--data-path", default="data/demo/corpus_text_document")
     p.add_argument("--tokenizer-model", default="data/demo/tokenizer.model")
     p.add_argument("--out-dir", default="runs/gpu_smoke")
-    p.add_argument("--only", default=None, help="comma-separated stage numbers to run (1-6)")
+    p.add_argument("--only", default=None, help="comma-separated stage numbers to run (1-7)")
     args = p.parse_args(argv)
     import torch
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from parm_trainer.arguments import parse_args
 from parm_trainer.bench import peers
@@ -94,6 +95,8 @@ def rows(args) -> list:
 
 
 def parse(argv, world_size=None):
+    # experts and router without biases, as the reference
+    argv = ["--disable-bias-linear", *(sys.argv[1:] if argv is None else argv)]
     args = parse_args(argv, add_tool_args, world_size=world_size)
     args.schedule_list = rows(args)
     if args.iters < 0 or args.warmup < 0:
@@ -111,7 +114,6 @@ def parse(argv, world_size=None):
     args.link_bytes_per_s = link_rate(args.inter_node_rate) if args.inter_node_rate else None
     if args.num_experts is None and not args.configs:
         raise ToolError("--num-experts is required")
-    args.disable_bias_linear = True  # experts and router without biases, as the reference
     args.hidden_dropout = args.attention_dropout = 0.0
     return args
 

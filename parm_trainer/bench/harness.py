@@ -69,11 +69,10 @@ def _tune_pending(runnable, results):
 
 
 def build_layer(name, config, args):
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-
+    from parm_trainer.models.gpt import moe_module_spec
     from parm_trainer.moe.layer import ParmMoELayer
 
-    spec = get_moe_module_spec(use_te=False, num_experts=args.num_experts, moe_grouped_gemm=False)
+    spec = moe_module_spec(args)
     if name == "megatron":
         layer = megatron.build(config, spec.submodules)
     else:
@@ -119,6 +118,7 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
         "status": "ok",
         "plan": str(layer.plan) if hasattr(layer, "plan") else megatron.describe(args),
         "chunks": args.moe_parm_chunks,
+        "experts": type(layer.experts).__name__,  # SequentialMLP, GroupedMLP, TEGroupedMLP
         "auto_choice": args.auto_choice,
         "forward_ms": None,
         "backward_ms": None,

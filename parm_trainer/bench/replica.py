@@ -24,7 +24,7 @@ import torch
 
 from parm_trainer.bench.layout import gather_mp, max_over_ranks
 from parm_trainer.bench.results import DIFF_KEYS
-from parm_trainer.bench.weights import replica_data
+from parm_trainer.bench.weights import expert_matrices, replica_data
 
 
 class Replica:
@@ -145,10 +145,10 @@ def _weight_grads(layer, shards, ref, diffs, scale, rel):
 
     edp = parallel_state.get_expert_data_parallel_group()
     worst, biggest, rel["expert_grad"] = 0.0, 0.0, 0.0
-    for expert, (e, rows) in zip(layer.experts.local_experts, shards):
-        for param, want in ((expert.linear_fc1.weight, ref["fc1_grad_total"][e, rows, :]),
-                            (expert.linear_fc2.weight, ref["fc2_grad_total"][e, :, rows])):
-            grad = param.grad.detach().to(torch.float32, copy=True)
+    for (fc1, fc2), (e, rows) in zip(expert_matrices(layer.experts, grads=True), shards):
+        for grad, want in ((fc1, ref["fc1_grad_total"][e, rows, :]),
+                           (fc2, ref["fc2_grad_total"][e, :, rows])):
+            grad = grad.detach().to(torch.float32, copy=True)
             torch.distributed.all_reduce(grad, group=edp)
             worst = max(worst, (grad - want).abs().max().item())
             biggest = max(biggest, want.abs().max().item())

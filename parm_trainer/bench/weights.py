@@ -53,9 +53,29 @@ def replica_data(args, dp_index: int):
             _as_layer_sees(torch.randn(shape, generator=gen), args))
 
 
+def expert_matrices(experts, grads: bool = False):
+    """[(fc1, fc2)] of each local expert as SequentialMLP holds them, (H', M) and (M, H'):
+    views of the parameters (of their gradients with grads=True), whichever module megatron
+    built: SequentialMLP, GroupedMLP (--moe-grouped-gemm: weight1 [M, n H'] read as n blocks
+    [M, H'], weight2 as n blocks [H', M]) or Transformer Engine's TEGroupedMLP (weight<i>)."""
+    def of(param):
+        return param.grad if grads else param
+
+    if hasattr(experts, "local_experts"):
+        return [(of(e.linear_fc1.weight), of(e.linear_fc2.weight))
+                for e in experts.local_experts]
+    n = experts.num_local_experts
+    if hasattr(experts, "weight1"):
+        m = experts.config.hidden_size
+        fc1, fc2 = of(experts.weight1).view(n, m, -1), of(experts.weight2).view(n, -1, m)
+        return [(fc1[i].t(), fc2[i].t()) for i in range(n)]
+    return [(of(getattr(experts.linear_fc1, f"weight{i}")),
+             of(getattr(experts.linear_fc2, f"weight{i}"))) for i in range(n)]
+
+
 def load_weights(layer, weights, args):
     """Copy this rank's EP/ESP slices of the full weights into a megatron-style layer (router,
-    experts.local_experts); returns [(expert, fc1 rows)] of its shards."""
+    experts); returns [(expert, fc1 rows)] of its shards."""
     from megatron.core import parallel_state
 
     ep_rank = parallel_state.get_expert_model_parallel_rank()
@@ -64,13 +84,14 @@ def load_weights(layer, weights, args):
     local = args.num_experts // args.expert_model_parallel_size
     h = args.moe_ffn_hidden_size // esp
     rows = slice(esp_rank * h, (esp_rank + 1) * h)
+    matrices = expert_matrices(layer.experts)
     with torch.no_grad():
         layer.router.weight.copy_(weights["gate"])
-        for i, expert in enumerate(layer.experts.local_experts):
+        for i, (fc1, fc2) in enumerate(matrices):
             e = ep_rank * local + i
-            expert.linear_fc1.weight.copy_(weights["fc1"][e, rows, :])
-            expert.linear_fc2.weight.copy_(weights["fc2"][e, :, rows])
-    return [(ep_rank * local + i, rows) for i in range(len(layer.experts.local_experts))]
+            fc1.copy_(weights["fc1"][e, rows, :])
+            fc2.copy_(weights["fc2"][e, :, rows])
+    return [(ep_rank * local + i, rows) for i in range(len(matrices))]
 
 
 def router_name(args) -> str:

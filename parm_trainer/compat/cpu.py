@@ -347,6 +347,36 @@ def patch_type_strings() -> None:
     type_._parm_cpu = True
     torch.Tensor.type = type_
 
+# --- 9. grouped GEMM on CPU --------------------------------------------------------------------
+# megatron/core/transformer/moe/experts.py: GroupedMLP (--moe-grouped-gemm without Transformer
+# Engine) asserts grouped_gemm_util.grouped_gemm_is_available() and calls
+# grouped_gemm_util.ops.gmm, from the `grouped_gemm` package: CUDA kernels only. On CPU the
+# same product is one matmul per expert on its rows; the layer, its weight layout and its
+# checkpoint format are megatron's own, so --moe-grouped-gemm runs (and is tested) here.
+
+
+def grouped_gemm_missing() -> bool:
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    return cuda_missing() and not grouped_gemm_util.grouped_gemm_is_available()
+
+
+def grouped_matmul(a, b, batch_sizes, trans_b=False):
+    """grouped_gemm.ops.gmm: rows of a in len(batch_sizes) runs, run i times b[i] (b[i].T with
+    trans_b); autograd through torch's own matmuls."""
+    runs = torch.split(a, [int(n) for n in batch_sizes.tolist()], dim=0)
+    return torch.cat([run @ (w.t() if trans_b else w) for run, w in zip(runs, b)], dim=0)
+
+
+def patch_grouped_gemm() -> None:
+    import types
+
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    ops = types.SimpleNamespace(gmm=grouped_matmul)
+    grouped_gemm_util.grouped_gemm = types.SimpleNamespace(ops=ops, parm_cpu=True)
+    grouped_gemm_util.ops = ops
+
 
 PATCHES = [
     (patch_type_strings, cuda_missing),
@@ -357,6 +387,7 @@ PATCHES = [
     (patch_cuda_device_streams_events, cuda_missing),
     (patch_cuda_literals, cuda_missing),
     (patch_moe_utils_te_general_gemm, te_general_gemm_missing),
+    (patch_grouped_gemm, grouped_gemm_missing),
 ]
 
 

@@ -23,7 +23,10 @@ ONE_RANK = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                 pipeline_model_parallel_layout=None, decoder_first_pipeline_num_layers=None,
                 decoder_last_pipeline_num_layers=None, num_virtual_stages_per_pipeline_rank=None,
                 num_layers_per_virtual_pipeline_stage=None,
-                virtual_pipeline_model_parallel_size=None, pipeline_stages=None)
+                virtual_pipeline_model_parallel_size=None, pipeline_stages=None,
+                # megatron's local modules and one tensor per expert: GroupedMLP's checkpoint
+                # (--moe-grouped-gemm) holds the same tensors under the same keys
+                transformer_impl="local", moe_grouped_gemm=False)
 
 
 def one_rank_args(saved_args: dict, **overrides) -> argparse.Namespace:

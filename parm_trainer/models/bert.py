@@ -37,9 +37,16 @@ class MoEBertModel(BertModel):
 
     def _sanity_check_attention_and_get_attn_mask_dimension(self) -> str:
         # BertModel reads the attention backend from a single layer spec, which a block spec
-        # does not have. Every layer here runs megatron's own DotProductAttention (local spec),
-        # which takes the [b, 1, s, s] mask: BertModel's answer for that spec.
-        return "b1ss"
+        # does not have: its answer for the first layer holds for all (one spec builds them):
+        # [b, 1, s, s] for megatron's local attention, Transformer Engine's per its version.
+        block = self.transformer_layer_spec
+        if not isinstance(block, TransformerBlockSubmodules):
+            return super()._sanity_check_attention_and_get_attn_mask_dimension()
+        self.transformer_layer_spec = block.layer_specs[0]
+        try:
+            return super()._sanity_check_attention_and_get_attn_mask_dimension()
+        finally:
+            self.transformer_layer_spec = block
 
 
 def build_bert_moe(args: argparse.Namespace, config: TransformerConfig, vocab_size: int,

@@ -29,6 +29,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
             moe_aux_loss_coeff=args.moe_aux_loss_coeff,
             moe_z_loss_coeff=args.moe_z_loss_coeff,
             moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+            moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False),
         )
     return TransformerConfig(
         num_layers=args.num_layers,

@@ -11,6 +11,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
 )
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -24,14 +25,32 @@ logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(
     lambda record: "Unknown MLP type" not in record.getMessage())
 
 
+def uses_te(args: argparse.Namespace) -> bool:
+    return getattr(args, "transformer_impl", "local") == "transformer_engine"
+
+
+def moe_module_spec(args: argparse.Namespace) -> ModuleSpec:
+    """megatron's MoE layer spec for --transformer-impl and --moe-grouped-gemm: its experts
+    are SequentialMLP, GroupedMLP or (Transformer Engine) TEGroupedMLP."""
+    return get_moe_module_spec(use_te=uses_te(args), num_experts=args.num_experts,
+                               moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False))
+
+
 def gpt_layer_spec(config: TransformerConfig, args: argparse.Namespace,
                    vp_stage: Optional[int] = None):
-    """Local (no Transformer Engine) spec; MoE layers where --moe-layer-freq puts them, run
-    through Parm's schedule unless --moe-parm-schedule megatron. With MoE, the block spec of
-    this pipeline rank's model chunk vp_stage (megatron slices the layers per stage)."""
+    """megatron's local spec, or Transformer Engine's with --transformer-impl
+    transformer_engine; MoE layers where --moe-layer-freq puts them (experts grouped with
+    --moe-grouped-gemm, from config.moe_grouped_gemm), run through Parm's schedule unless
+    --moe-parm-schedule megatron. With MoE, the block spec of this pipeline rank's model
+    chunk vp_stage (megatron slices the layers per stage)."""
     if not config.num_moe_experts:
+        if uses_te(args):
+            from megatron.core.models.gpt.gpt_layer_specs import (
+                get_gpt_layer_with_transformer_engine_spec)
+
+            return get_gpt_layer_with_transformer_engine_spec()
         return get_gpt_layer_local_spec(normalization=args.normalization)
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=uses_te(args),
                                        normalization=args.normalization, vp_stage=vp_stage)
     if args.moe_parm_schedule != "megatron":
         for layer in block.layer_specs:
@@ -76,3 +95,34 @@ def build_gpt_moe(args: argparse.Namespace, config: TransformerConfig, vocab_siz
                     rotary_base=args.rotary_base,
                     **language_model_kwargs(args, config, vocab_size, pre_process, post_process,
                                             vp_stage))
+
+
+def _module_name(spec) -> str:
+    module = spec.module if isinstance(spec, ModuleSpec) else spec
+    return getattr(module, "__name__", str(module))
+
+
+def describe_modules(args: argparse.Namespace, config: TransformerConfig) -> str:
+    """The start-up line naming the modules megatron builds: the attention's QKV projection,
+    the norm before it, the experts; and whether Transformer Engine and apex are installed
+    (megatron's local spec takes apex's fused LayerNorm where it is)."""
+    from parm_trainer.models.backend import library_report
+
+    # every layer of the model (a pipeline stage may hold none), as gpt_layer_spec builds them
+    # before it picks this stage's and swaps in Parm's MoE layer (which keeps the experts)
+    if config.num_moe_experts:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
+
+        layers = get_gpt_decoder_layer_specs(config, uses_te(args), args.normalization)
+    else:
+        layers = [gpt_layer_spec(config, args)]
+    first = layers[0].submodules
+    norm = _module_name(first.input_layernorm)
+    parts = [f"qkv {_module_name(first.self_attention.submodules.linear_qkv)}",
+             "norm fused into qkv" if norm == "IdentityOp" else f"norm {norm}"]
+    experts = {_module_name(layer.submodules.mlp.submodules.experts) for layer in layers
+               if hasattr(layer.submodules.mlp.submodules, "experts")}
+    if experts:
+        parts.append(f"experts {', '.join(sorted(experts))}")
+    return (f"modules (--transformer-impl {getattr(args, 'transformer_impl', 'local')}): "
+            f"{', '.join(parts)}; {library_report()}")

@@ -26,26 +26,51 @@ def _generator(seed: int, key: str, prefix_offsets: tuple) -> torch.Generator:
     return torch.Generator().manual_seed(mixed)
 
 
+def _draw(key: str, seed: int, std: float, prefix: tuple, shape: tuple, offsets: tuple,
+          local_shape: tuple) -> torch.Tensor:
+    """This rank's slice of the full tensor `shape` drawn for (seed, key, prefix). A stack of
+    matrices (GroupedMLP's experts in one tensor) is drawn matrix by matrix, the stack index
+    joining the prefix, so it gets the weights of SequentialMLP's experts, one tensor each."""
+    if len(shape) > 2:
+        return torch.stack([_draw(key, seed, std, prefix + (offsets[0] + i,), shape[1:],
+                                  offsets[1:], local_shape[1:]) for i in range(local_shape[0])])
+    full = torch.empty(shape).normal_(0.0, std, generator=_generator(seed, key, prefix))
+    return full[tuple(slice(offset, offset + size)
+                      for offset, size in zip(offsets, local_shape))]
+
+
 def _full_then_slice(sharded: ShardedTensor, seed: int, std: float) -> torch.Tensor:
     prepend = sharded.prepend_axis_num
-    prefix = tuple(sharded.global_offset[:prepend])
-    shape = sharded.global_shape[prepend:]
-    full = torch.empty(shape).normal_(0.0, std, generator=_generator(seed, sharded.key, prefix))
-    index = tuple(slice(offset, offset + size)
-                  for offset, size in zip(sharded.global_offset[prepend:], sharded.local_shape))
-    return full[index]
+    return _draw(sharded.key, seed, std, tuple(sharded.global_offset[:prepend]),
+                 tuple(sharded.global_shape[prepend:]), tuple(sharded.global_offset[prepend:]),
+                 tuple(sharded.local_shape))
 
 
-def _sharded_tensors(item):
-    """The ShardedTensors behind one sharded_state_dict entry; a ShardedTensorFactory (SwiGLU's
-    fc1 is stored as two halves) is built into its pieces, whose data are views of the param."""
+def _built(item):
+    """(the ShardedTensors behind one sharded_state_dict entry, a function that writes their
+    data back to the parameter). A ShardedTensorFactory (SwiGLU's fc1 stored as two halves,
+    GroupedMLP's experts as [n, H, M]) is built into its pieces, which may be copies of the
+    parameter: its merge_fn, the one dist_checkpointing loads with, writes them back."""
     if isinstance(item, ShardedTensor):
-        return [item]
-    if isinstance(item, ShardedTensorFactory):
-        built = item.build()
-        pieces = built.values() if isinstance(built, dict) else built
-        return [piece for part in pieces for piece in _sharded_tensors(part)]
-    return []
+        return [item], lambda: None
+    if not isinstance(item, ShardedTensorFactory):
+        return [], lambda: None
+    built = item.build()
+    pieces = []
+
+    def tensors(node):
+        if isinstance(node, dict):
+            return {k: tensors(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return [tensors(v) for v in node]
+        if isinstance(node, (ShardedTensor, ShardedTensorFactory)):
+            inner, _ = _built(node)
+            pieces.extend(inner)
+            return node.data
+        return node
+
+    data = tensors(built)
+    return pieces, lambda: item.data.copy_(item.merge_fn(data).view_as(item.data))
 
 
 def init_weights_layout_free(model: torch.nn.Module, seed: int, std: float, num_layers: int) -> int:
@@ -58,11 +83,16 @@ def init_weights_layout_free(model: torch.nn.Module, seed: int, std: float, num_
     scaled_std = std / math.sqrt(2.0 * num_layers)
     with torch.no_grad():
         for item in model.sharded_state_dict().values():
-            for sharded in _sharded_tensors(item):
+            pieces, write_back = _built(item)
+            drawn = 0
+            for sharded in pieces:
                 if len(sharded.local_shape) < 2 or sharded.flattened_range is not None:
                     continue
                 this_std = scaled_std if sharded.key.endswith(_SCALED) else std
                 values = _full_then_slice(sharded, seed, this_std)
                 sharded.data.copy_(values.view_as(sharded.data).to(sharded.data.dtype))
-                written += 1
+                drawn += 1
+            if drawn:
+                write_back()
+            written += drawn
     return written

@@ -95,12 +95,10 @@ def _sync():
 
 def _time_candidate(args, config, name, chunks) -> float:
     """Median seconds of TIMED forward + backward passes of the layer, max over ranks."""
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-
+    from parm_trainer.models.gpt import moe_module_spec
     from parm_trainer.moe.layer import ParmMoELayer
 
-    spec = get_moe_module_spec(use_te=False, num_experts=args.num_experts,
-                               moe_grouped_gemm=False)
+    spec = moe_module_spec(args)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
     layer = ParmMoELayer(config, spec.submodules, layer_number=1, schedule=name, chunks=chunks,

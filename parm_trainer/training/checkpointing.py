@@ -256,8 +256,9 @@ def _tensor_shapes(state: dict) -> dict:
     """key -> global shape of every tensor a sharded state dict saves or loads."""
     shapes = {}
     for value in nested_values(state):
-        built = nested_values(value.build()) if isinstance(value, ShardedTensorFactory) else [value]
-        for tensor in built:
+        built = value.build() if isinstance(value, ShardedTensorFactory) else value
+        # a factory builds a dict or list of pieces, or one tensor (GroupedMLP's experts)
+        for tensor in nested_values(built) if isinstance(built, (dict, list)) else [built]:
             if isinstance(tensor, ShardedTensor):
                 shapes[tensor.key] = tuple(tensor.global_shape)
     return shapes

@@ -78,9 +78,18 @@ def initialize(argv=None, extra_args_provider=None, check_inputs=None):
         check_inputs(args)
     cpu.apply()
     initialize_distributed(args)
+    _report_modules(args)
     _report_relay()
     tune_at_startup(args, log=_print_rank_0)
     return args
+
+
+def _report_modules(args) -> None:
+    if _rank() == 0:
+        from parm_trainer.models.config import transformer_config
+        from parm_trainer.models.gpt import describe_modules
+
+        _print_rank_0(describe_modules(args, transformer_config(args)))
 
 
 def _report_relay() -> None:

@@ -38,6 +38,26 @@ def mark_expert_params(module: torch.nn.Module) -> int:
     return flagged
 
 
+def expert_comm_explicit(module: torch.nn.Module) -> int:
+    """Give every expert linear whose tensor-parallel group is one rank explicit_expert_comm.
+
+    megatron-core sets it on expert linears only where ESP > 1 or EP > 1. Otherwise the
+    row-parallel fc2 "reduces" over its one-rank group, which returns its input through a
+    custom autograd Function (a view to autograd), and the expert MLP then adds its bias to it
+    in place (mlp.py, `output += output_bias ...`): "RuntimeError: Output 0 of
+    _ReduceFromModelParallelRegion is a view and is being modified inplace" on any run with
+    expert biases and EP = ESP = 1. On a one-rank group the collectives it skips are
+    identities, so the flag changes nothing else. Returns the number of linears changed."""
+    changed = 0
+    for sub in module.modules():
+        group = getattr(sub, "tp_group", None)
+        if getattr(sub, "is_expert", False) and getattr(sub, "explicit_expert_comm", True) is \
+                False and group is not None and group.size() == 1:
+            sub.explicit_expert_comm = True
+            changed += 1
+    return changed
+
+
 def build_model(args, config: TransformerConfig, model_provider: ModelProvider) -> list:
     """This pipeline rank's model chunks (one, or V under interleaved 1F1B: chunk i is virtual
     stage i, with the embedding only on rank 0's first and the loss only on the last rank's
@@ -57,8 +77,11 @@ def build_model(args, config: TransformerConfig, model_provider: ModelProvider) 
             args, config,
             parallel_state.is_pipeline_first_stage(ignore_virtual=False, **extra),
             parallel_state.is_pipeline_last_stage(ignore_virtual=False, **extra), **extra)
+        if args.bf16:  # as Megatron-LM's Float16Module: megatron builds norms and the
+            module.bfloat16()  # position table in fp32, and fp32 weights meet bf16 inputs
         init_weights_layout_free(module, args.seed, args.init_method_std, args.num_layers)
         mark_expert_params(module)
+        expert_comm_explicit(module)
         if torch.cuda.is_available():
             module.cuda(torch.cuda.current_device())
         # megatron buckets the first chunk's gradients only (Megatron-LM's get_model)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import dataclass
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
@@ -46,31 +47,44 @@ def _full_then_slice(sharded: ShardedTensor, seed: int, std: float) -> torch.Ten
                  tuple(sharded.local_shape))
 
 
-def _built(item):
-    """(the ShardedTensors behind one sharded_state_dict entry, a function that writes their
-    data back to the parameter). A ShardedTensorFactory (SwiGLU's fc1 stored as two halves,
-    GroupedMLP's experts as [n, H, M]) is built into its pieces, which may be copies of the
-    parameter: its merge_fn, the one dist_checkpointing loads with, writes them back."""
-    if isinstance(item, ShardedTensor):
-        return [item], lambda: None
-    if not isinstance(item, ShardedTensorFactory):
-        return [], lambda: None
-    built = item.build()
-    pieces = []
+@dataclass(frozen=True)
+class _Slot:
+    index: int
 
-    def tensors(node):
+
+def _built(item):
+    """(the ShardedTensors behind one sharded_state_dict entry, a function returning their
+    data in the entry's own layout). A ShardedTensorFactory (SwiGLU's fc1 stored as two
+    halves, GroupedMLP's experts as [n, H, M]) is built into its pieces, which may be copies of
+    the parameter; its merge_fn, the one dist_checkpointing loads with, puts them back."""
+    if isinstance(item, ShardedTensor):
+        return [item], lambda: item.data
+    if not isinstance(item, ShardedTensorFactory):
+        return [], None
+    pieces, merges = [], []
+
+    def walk(node):  # the built structure, each piece (or nested factory) -> its merged data
         if isinstance(node, dict):
-            return {k: tensors(v) for k, v in node.items()}
+            return {k: walk(v) for k, v in node.items()}
         if isinstance(node, (list, tuple)):
-            return [tensors(v) for v in node]
+            return [walk(v) for v in node]
         if isinstance(node, (ShardedTensor, ShardedTensorFactory)):
-            inner, _ = _built(node)
+            inner, merged = _built(node)
             pieces.extend(inner)
-            return node.data
+            merges.append(merged)
+            return _Slot(len(merges) - 1)
         return node
 
-    data = tensors(built)
-    return pieces, lambda: item.data.copy_(item.merge_fn(data).view_as(item.data))
+    structure = walk(item.build())
+
+    def fill(node):
+        if isinstance(node, dict):
+            return {k: fill(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [fill(v) for v in node]
+        return merges[node.index]() if isinstance(node, _Slot) else node
+
+    return pieces, lambda: item.merge_fn(fill(structure))
 
 
 def init_weights_layout_free(model: torch.nn.Module, seed: int, std: float, num_layers: int) -> int:
@@ -83,7 +97,7 @@ def init_weights_layout_free(model: torch.nn.Module, seed: int, std: float, num_
     scaled_std = std / math.sqrt(2.0 * num_layers)
     with torch.no_grad():
         for item in model.sharded_state_dict().values():
-            pieces, write_back = _built(item)
+            pieces, merged = _built(item)
             drawn = 0
             for sharded in pieces:
                 if len(sharded.local_shape) < 2 or sharded.flattened_range is not None:
@@ -92,7 +106,7 @@ def init_weights_layout_free(model: torch.nn.Module, seed: int, std: float, num_
                 values = _full_then_slice(sharded, seed, this_std)
                 sharded.data.copy_(values.view_as(sharded.data).to(sharded.data.dtype))
                 drawn += 1
-            if drawn:
-                write_back()
+            if drawn and isinstance(item, ShardedTensorFactory):  # pieces may be copies
+                item.data.copy_(merged().view_as(item.data))
             written += drawn
     return written

@@ -144,8 +144,8 @@ def _layer_check(args, bf16: bool, extra=(), experts=None) -> tuple:
             if not value <= bound:
                 problems.append(f"{schedule} {key} {value:.1e} > {bound:.1e}")
     measure = "rel L2" if bf16 else "max abs"
-    detail = f"{rows} schedules{f' ({experts})' if experts else ''}; worst {measure}: " + \
-        ", ".join(
+    built = f" ({experts})" if experts else ""
+    detail = f"{rows} schedules{built}; worst {measure}: " + ", ".join(
         f"{k} {v:.1e}" for k, v in worst.items())
     if problems:
         detail += "; " + "; ".join(problems)
@@ -204,6 +204,7 @@ def stage_pretrain(args) -> tuple:
     if not os.path.exists(args.data_path + ".idx"):
         return False, f"no dataset {args.data_path}.idx (run `make data` first)", ""
     _, nproc, *parallel = layout_flags(args.nproc)  # the layer stages' layout
+    backend = pretrain_backend(args)
     nproc = int(nproc)
     command = _torchrun(nproc) + [
         "pretrain_gpt_moe.py", "--num-layers", "2", "--hidden-size", "128",
@@ -216,16 +217,14 @@ def stage_pretrain(args) -> tuple:
         "--hidden-dropout", "0",
         "--attention-dropout", "0", "--data-path", args.data_path, "--tokenizer-model",
         args.tokenizer_model, "--data-cache-path", os.path.join(args.out_dir, "data_cache"),
-        "--timing-log-level", "1", *parallel, *dtype, *pretrain_backend(args)]
+        "--timing-log-level", "1", *parallel, *dtype, *backend]
     status, output = _run(command, 600)
     losses = [float(v) for v in re.findall(r"^iteration .*?\| lm loss ([\d.naninf]+)",
                                            output, re.M)]
     speed = re.findall(r"ms/iter ([\d.]+) \| tokens/s (\d+)", output)
     ok = status == 0 and len(losses) >= 2 and all(v == v and v < 1e9 for v in losses) \
         and losses[-1] < losses[0]
-    backend = " ".join(pretrain_backend(args))
-    detail = (f"{'bf16' if dtype else 'fp32'}{f' {backend}' if backend else ''} on {nproc} "
-              f"rank(s), lm loss "
+    detail = (f"{' '.join(['bf16' if dtype else 'fp32', *backend])} on {nproc} rank(s), lm loss "
               f"{losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "no iteration logged")
     if speed:
         detail += f", last interval {speed[-1][0]} ms/iter, {speed[-1][1]} tokens/s"

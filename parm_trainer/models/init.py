@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
@@ -47,11 +46,6 @@ def _full_then_slice(sharded: ShardedTensor, seed: int, std: float) -> torch.Ten
                  tuple(sharded.local_shape))
 
 
-@dataclass(frozen=True)
-class _Slot:
-    index: int
-
-
 def _built(item):
     """(the ShardedTensors behind one sharded_state_dict entry, a function returning their
     data in the entry's own layout). A ShardedTensorFactory (SwiGLU's fc1 stored as two
@@ -61,30 +55,31 @@ def _built(item):
         return [item], lambda: item.data
     if not isinstance(item, ShardedTensorFactory):
         return [], None
-    pieces, merges = [], []
+    pieces = []
 
-    def walk(node):  # the built structure, each piece (or nested factory) -> its merged data
+    def walk(node):  # the built structure, each piece (or nested factory) -> its merge
         if isinstance(node, dict):
             return {k: walk(v) for k, v in node.items()}
         if isinstance(node, (list, tuple)):
             return [walk(v) for v in node]
-        if isinstance(node, (ShardedTensor, ShardedTensorFactory)):
-            inner, merged = _built(node)
-            pieces.extend(inner)
-            merges.append(merged)
-            return _Slot(len(merges) - 1)
-        return node
-
-    structure = walk(item.build())
+        inner, merged = _built(node)
+        pieces.extend(inner)
+        return merged or node
 
     def fill(node):
         if isinstance(node, dict):
             return {k: fill(v) for k, v in node.items()}
         if isinstance(node, list):
             return [fill(v) for v in node]
-        return merges[node.index]() if isinstance(node, _Slot) else node
+        return node() if callable(node) else node
 
+    structure = walk(item.build())
     return pieces, lambda: item.merge_fn(fill(structure))
+
+
+def sharded_pieces(item) -> list:
+    """The ShardedTensors one sharded_state_dict entry saves (a factory's, at any depth)."""
+    return _built(item)[0]
 
 
 def init_weights_layout_free(model: torch.nn.Module, seed: int, std: float, num_layers: int) -> int:

@@ -30,14 +30,14 @@ from typing import Optional
 
 import torch
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTensor,
-                                                      ShardedTensorFactory)
+from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.tensor_parallel import random as mrandom
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 import parm_trainer
 from parm_trainer import parallel
+from parm_trainer.models.init import sharded_pieces
 from parm_trainer.training import async_save, faults, watchdog
 from parm_trainer.training.optimizer_state import (adam_step, is_distributed, set_adam_state,
                                                    step_for_empty_optimizers, step_kept_apart)
@@ -256,11 +256,8 @@ def _tensor_shapes(state: dict) -> dict:
     """key -> global shape of every tensor a sharded state dict saves or loads."""
     shapes = {}
     for value in nested_values(state):
-        built = value.build() if isinstance(value, ShardedTensorFactory) else value
-        # a factory builds a dict or list of pieces, or one tensor (GroupedMLP's experts)
-        for tensor in nested_values(built) if isinstance(built, (dict, list)) else [built]:
-            if isinstance(tensor, ShardedTensor):
-                shapes[tensor.key] = tuple(tensor.global_shape)
+        for tensor in sharded_pieces(value):
+            shapes[tensor.key] = tuple(tensor.global_shape)
     return shapes
 
 

@@ -159,27 +159,46 @@ def measure_concurrency(repeats, warmup, device, calls) -> list:
     return [(k, seconds[k] / seconds[world]) for k in counts]
 
 
-def measure_sync_wait(repeats, warmup, device, calls) -> list:
-    """[(chunk seconds, wait seconds)]: each GEMM case of one shape (3 sizes) timed alone, a
-    one-element AllReduce of the world alone, and the two back to back, every rank at once;
-    the wait is what the pair takes beyond the two apart: at a collective after compute,
+# The MP collectives measured after compute: (kind, fp32 elements per rank) - a scalar
+# AllReduce and sequence parallelism's AllGather and ReduceScatter of a small activation.
+WAIT_CALLS = (("allreduce", 1), ("allgather", 32768), ("reducescatter", 65536))
+
+
+def measure_sync_wait(repeats, warmup, device, calls, per_node, rounds=3) -> list:
+    """[(chunk seconds, wait seconds)]: in every node's group of ranks at once (MP groups
+    sit inside a node; the world where a node holds one rank), each WAIT_CALLS collective
+    timed alone, each GEMM case of one shape (3 sizes) alone, and the two back to back; the
+    wait is what the pair takes beyond the two apart; all of it `rounds` times (a single
+    point varies by milliseconds from one round to the next). At a collective after compute,
     ranks wait for the slowest to arrive (on shared cores, for one the scheduler left
     behind), which a collective timed after a barrier never sees. Profile.layer's
-    s_per_call prices it at every collective call; on GPUs it is about 0."""
+    s_per_call, the median of the points, prices it at every collective call; on GPUs it is
+    about 0."""
     world = dist.get_world_size()
-    token = torch.ones(1, device=device)
-    collective = _op("allreduce", token, None, world)
-    alone = time_call(collective, repeats, warmup, device, calls)
+    nodes = calibration_groups(world, per_node).get("intra", [list(range(world))])
+    if len(nodes[0]) < 2:
+        nodes = [list(range(world))]
+    if nodes == [list(range(world))]:
+        group, size = None, world
+    else:
+        group, _ = dist.new_subgroups_by_enumeration(nodes)
+        size = len(nodes[0])
+    chunks = [call for _, call in [case for case, (rows, m, h)
+                                   in zip(gemm_cases(device), GEMM_SHAPES)
+                                   if (m, h) == (64, 128)]]
     points = []
-    for _, call in [case for case, (rows, m, h) in zip(gemm_cases(device), GEMM_SHAPES)
-                    if (m, h) == (64, 128)]:
-        chunk = time_call(call, repeats, warmup, device, calls)
+    for _ in range(rounds):
+        for kind, numel in WAIT_CALLS:
+            collective = _op(kind, torch.ones(numel, device=device), group, size)
+            alone = time_call(collective, repeats, warmup, device, calls)
+            for call in chunks:
+                chunk = time_call(call, repeats, warmup, device, calls)
 
-        def pair(call=call):
-            call()
-            collective()
-        both = time_call(pair, repeats, warmup, device, calls)
-        points.append((chunk, max(0.0, both - chunk - alone)))
+                def pair(call=call, collective=collective):
+                    call()
+                    collective()
+                both = time_call(pair, repeats, warmup, device, calls)
+                points.append((chunk, max(0.0, both - chunk - alone)))
     return points
 
 
@@ -328,8 +347,8 @@ def calibrate(args, device, per_node):
     local["concurrency"] = measure_concurrency(max(3, args.repeats // 2), 1, device,
                                                max(1, args.calls // 2))
     progress.done("compute with fewer ranks at once")
-    local["sync_wait"] = measure_sync_wait(max(3, args.repeats // 2), 1, device,
-                                           max(2, args.calls // 2))
+    local["sync_wait"] = measure_sync_wait(max(5, args.repeats), 1, device,
+                                           max(4, args.calls), per_node)
     progress.done("waits at a collective after compute")
     local["link_sharing"] = (measure_link_sharing(links["inter"], args, device, per_node)
                              if "inter" in links else (1, []))

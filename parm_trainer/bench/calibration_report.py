@@ -115,10 +115,10 @@ def report(args, backend, world, per_node, hosts, measured, local, shares, remot
         print("compute time with k ranks computing at once, over all at once: "
               + ", ".join(f"k={k}: {f:.2f}" for k, f in concurrency))
     if waits:
+        chunks = [c for c, _ in local["sync_wait"]]
         print(f"a collective after compute waits {per_call * 1e3:.2f} ms more than one after a "
-              "barrier (median over " + ", ".join(f"{c * 1e3:.1f}" for c, _ in
-                                                  local["sync_wait"])
-              + " ms of compute): the layer's s_per_call")
+              f"barrier (median over {len(waits)} calls after {min(chunks) * 1e3:.1f} to "
+              f"{max(chunks) * 1e3:.1f} ms of compute): the layer's s_per_call")
     for note in notes[2:]:
         print(f"note: {note}")
     print(f"wrote {args.output}")

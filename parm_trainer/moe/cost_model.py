@@ -56,8 +56,8 @@ down; 1 when absent), and every step adds host_s_per_step (framework and launch 
 twice), and every collective call (the pipeline step makes one per collective and piece) adds
 s_per_call, outside any overlap: each call is a point where ranks wait for the slowest of them,
 and host work of its own, which an isolated calibration of the call does not see;
-calibrate_comm measures it on its own (a one-element AllReduce after GEMMs of 3 sizes, beyond
-the two apart: bench/calibrate.measure_sync_wait) and the whole-model planner adds it to every
+calibrate_comm measures it on its own (3 MP collectives in each node's group after GEMMs of 3
+sizes, beyond the two apart: bench/calibrate.measure_sync_wait) and the whole-model planner adds it to every
 collective call of the dense pieces too but P2P, whose wait the pipeline steps price. (Fitted
 inside the pipeline's overlap instead, it could not tell r = 2 from r = 4 on 8 processes per 2
 cores, where more pieces measured up to 50 % slower.)

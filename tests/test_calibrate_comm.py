@@ -103,3 +103,34 @@ def test_inter_alltoall_beta_is_per_byte_that_crosses(tmp_path, capsys):
     assert profile.collectives["alltoall"]["inter"][1] == pytest.approx(1e-8 * 7 / 4)
     assert profile.collectives["allgather"]["inter"][1] == pytest.approx(1e-8)
     assert profile.collectives["alltoall"]["intra"][1] == pytest.approx(1e-9)
+
+
+WAIT_SCRIPT = '''
+import torch, torch.distributed as dist
+from parm_trainer.bench import calibrate
+dist.init_process_group("gloo")
+made = []
+enumerate_groups = dist.new_subgroups_by_enumeration
+def recorded(ranks, **kwargs):
+    made.append(ranks)
+    return enumerate_groups(ranks, **kwargs)
+dist.new_subgroups_by_enumeration = recorded
+points = calibrate.measure_sync_wait(1, 0, torch.device("cpu"), 1, per_node=2, rounds=2)
+if dist.get_rank() == 0:
+    print("groups", made, "points", len(points), "ok",
+          all(chunk > 0 and wait >= 0 for chunk, wait in points))
+dist.destroy_process_group()
+'''
+
+
+def test_wait_at_a_call_is_measured_in_each_nodes_group(tmp_path):
+    """On 2 nodes x 2 ranks the wait is measured in the groups where MP collectives run (each
+    node's ranks, both at once), not across the node link: 3 collectives x 3 GEMM sizes per
+    round."""
+    from conftest import free_port, torchrun
+    script = tmp_path / "wait.py"
+    script.write_text(WAIT_SCRIPT)
+    status, output = torchrun(["--nproc-per-node", 4, "--master-port", free_port(), script],
+                              timeout=120)
+    assert status == 0, output[-3000:]
+    assert "groups [[[0, 1], [2, 3]]] points 18 ok True" in output

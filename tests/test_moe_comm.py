@@ -22,7 +22,11 @@ from parm_trainer.moe.comm import LEDGER, CommLedger, chunk_spans
 from parm_trainer.moe import comm
 
 WORKER = r'''
-import json, os, sys, traceback
+import faulthandler, json, os, sys, traceback
+# a rank still running after 150 s (the launch's timeout is 180) writes every thread's stack
+# and ends, so a hang fails the test with where each rank stood
+STACKS = open(os.path.join(sys.argv[1], f"stacks{os.environ['RANK']}.txt"), "w")
+faulthandler.dump_traceback_later(150, exit=True, file=STACKS)
 import torch
 import torch.distributed as dist
 from parm_trainer.moe import comm
@@ -197,6 +201,7 @@ with open(os.path.join(sys.argv[1], f"rank{RANK}.json"), "w") as f:
     json.dump({"rank": RANK, "checks": checks, "failures": failures}, f)
 if crashed:  # the other ranks may be blocked in a collective: let torchrun stop them now
     os._exit(1)
+faulthandler.cancel_dump_traceback_later()
 dist.destroy_process_group()
 '''
 
@@ -206,6 +211,8 @@ def test_collectives_on_four_gloo_ranks(tmp_path):
     script.write_text(WORKER)
     status, output = torchrun(["--nproc-per-node", 4, "--master-port", free_port(), script,
                                tmp_path], timeout=180)
+    stacks = "".join(path.read_text() for path in sorted(tmp_path.glob("stacks*.txt")))
+    assert not stacks, f"a rank hung; its threads:\n{stacks[-6000:]}"
     reports = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
     failures = {r["rank"]: [f[-700:] for f in r["failures"][:5]] for r in reports if r["failures"]}
     assert not failures, json.dumps(failures, indent=1)

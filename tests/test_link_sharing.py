@@ -215,6 +215,31 @@ def test_pipeline_steps_price_warm_up_at_the_ranks_computing():
     assert shared[0] < sum(predict(chunks, cost, 2, 2, 4)["steps_s"])
 
 
+def test_a_stages_ranks_compute_in_lock_step():
+    """A stage's ranks compute at once (the same work between the same collectives): however
+    long they wait on links, their compute is priced at the factor of all of them; only other
+    stages' ranks count by the share of their time they compute. PP 1 on 4 ranks over 2 x 2
+    with links priced: the same compute as at the calibrated rate of all 4 at once."""
+    from dataclasses import replace
+
+    from parm_trainer.planning.model_cost import ModelCost
+    from parm_trainer.planning.pipeline_sim import one_f_one_b
+    from parm_trainer.planning.stages import predict, split
+
+    linked = _profile(node_links=1)
+    curve = replace(linked, compute_concurrency=((1, 0.25), (2, 0.5), (4, 1.0)))
+    args = _demo_args(1, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])
+    runs = split(ModelCost(args, linked).pieces(), 1, ModelCost(args, linked))
+    flat = predict(runs, ModelCost(args, linked), 1, 1, 2)
+    shared = predict(runs, ModelCost(args, curve), 1, 1, 2)
+    assert shared["steps_s"] == pytest.approx(flat["steps_s"], rel=1e-3)
+    # played out, one stage of 2 ranks with half of each task on links: its own 2 ranks
+    # compute together (factor 0.5): forward 1 x 0.5 + 1, backward 2 x 0.5 + 1, twice
+    shares = lambda k: min(1.0, k / 4)  # noqa: E731
+    assert one_f_one_b([{"F": 1.0, "B": 2.0}], [{"F": 1.0, "B": 1.0}], 1, 2, 2,
+                       shares) == pytest.approx(2 * (1.5 + 2.0))
+
+
 def test_one_f_one_b_played_out_by_hand():
     """pipeline_sim against makespans worked out by hand from megatron's 1F1B order."""
     from parm_trainer.planning.pipeline_sim import one_f_one_b, order

@@ -488,9 +488,10 @@ def step_load(step: Step, shape: LayerShape, held: Held) -> tuple:
         if step.group != "mp":
             return StepLoad(flops=2 * n * s.hidden * s.experts), held
         # on split tokens: the router's per-expert token counts (int64) summed over MP for the
-        # load-balancing loss, and in backward the router weight's gradient
+        # load-balancing loss, and in backward the router weight's gradient (under sequence
+        # parallelism summed once per iteration with the layer norms' instead, layer.py)
         counts = coll("allreduce", "mp", s.experts * 8)
-        wgrad = coll("allreduce", "mp", s.experts * s.hidden * b)
+        wgrad = () if s.sequence_parallel else coll("allreduce", "mp", s.experts * s.hidden * b)
         return StepLoad(forward=counts, backward=wgrad, flops=2 * n * s.hidden * s.experts), held
     if op == "dispatch":
         c = s.capacity(n, held.multiple)

@@ -88,9 +88,13 @@ class ParmMoELayer(MegatronModule):
         # where every MP rank holds all tokens there is nothing to sum.
         self.router.tp_cp_group = (self.groups["mp"] if self.plan.splits_tokens
                                    else consecutive_subgroup(1))
-        # Gate gradients: summed over MP by copy_to when the gate runs on split tokens, already
-        # identical otherwise; megatron's sequence-parallel all-reduce would count them twice.
-        self.router.weight.sequence_parallel = False
+        # Gate gradients where the gate runs on split tokens (s1) are partial sums over MP.
+        # Under sequence parallelism the weight is marked sequence-parallel, as megatron's own
+        # router is, and finalize_model_grads sums it over TP once per iteration, coalesced with
+        # the layer norms'; without it copy_to sums it in every backward. Elsewhere every MP
+        # rank already holds the whole gradient.
+        self.gate_grad_deferred = self.plan.splits_tokens and bool(config.sequence_parallel)
+        self.router.weight.sequence_parallel = self.gate_grad_deferred
         self.experts = build_module(submodules.experts, self.num_local_experts, config,
                                     pg_collection=pg_collection)
 
@@ -101,7 +105,7 @@ class ParmMoELayer(MegatronModule):
     # --- steps -------------------------------------------------------------------------------
     def _gate(self, tokens, seq_shape, split: bool):
         weight = self.router.weight
-        if split:
+        if split and not self.gate_grad_deferred:
             weight = comm.copy_to(weight, self.groups["mp"], "mp")
         dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype,
                                                                     tokens.dtype)

@@ -7,16 +7,17 @@ here each rank runs megatron's order, plain 1F1B or interleaved (warm-up forward
 forward and one backward at a time, then the cool-down backwards; interleaved, V chunks per rank
 in the order of megatron's schedule table), a task starts when the neighbour it waits on is done
 (a forward on the previous stage's forward of that micro-batch, a backward on the next stage's
-backward of it, the last stage's on its own forward), and at every moment the compute of the
-tasks running is priced at the factor of the ranks computing at once:
+backward of it, the last stage's on its own forward), and at every moment each running task's
+compute is priced at the factor of the ranks computing beside it: all of its own stage's ranks
+(they compute in lock-step, between the same collectives) and the others' shares:
 
     makespan = one_f_one_b(work, other, pp=2, microbatches=4, ranks_per_stage=2, factor=f)
 
 work[s] and other[s] are {"F": s, "B": s}: stage s's compute per micro-batch at the profile's
 calibrated rate (factor 1) and the rest of its time (links, waits on peers), which run
 interleaved within a task, so a task computes for its share work x f / (work x f + other) of
-its time; the ranks computing at once are ranks_per_stage x the sum of the running tasks'
-shares, the factor of that many (a fixed point, as stages.py's steady state). Stage s is chunk
+its time; beside a task, ranks_per_stage x (1 + the other running tasks' shares) ranks compute,
+its factor that of so many (a fixed point, as stages.py's steady state). Stage s is chunk
 s // P of pipeline rank s % P (megatron's placement); with V = 1 the stages are the ranks.
 """
 
@@ -58,12 +59,16 @@ def order(pp: int, microbatches: int, vp: int = 1) -> list:
     return orders
 
 
-def _factor_at(tasks: dict, work: list, other: list, size: int, factor) -> float:
-    f = factor(size * len(tasks))
+def _factors_at(tasks: dict, work: list, other: list, size: int, factor) -> dict:
+    """{rank: the compute factor of its running task}: while a stage computes, its own `size`
+    ranks all compute (they run in lock-step: the same work between the same collectives), and
+    each other running stage's ranks for the share of its task they compute."""
+    f = {r: factor(size * len(tasks)) for r in tasks}
     for _ in range(8):
-        share = sum(work[s][d] * f / (work[s][d] * f + other[s][d])
-                    if work[s][d] * f + other[s][d] > 0 else 0.0 for s, d in tasks.values())
-        f = 0.5 * (f + factor(size * share))
+        share = {r: work[s][d] * f[r] / (work[s][d] * f[r] + other[s][d])
+                 if work[s][d] * f[r] + other[s][d] > 0 else 0.0 for r, (s, d) in tasks.items()}
+        total = sum(share.values())
+        f = {r: 0.5 * (f[r] + factor(size * (1.0 + total - share[r]))) for r in tasks}
     return f
 
 
@@ -95,8 +100,8 @@ def one_f_one_b(work: list, other: list, pp: int, microbatches: int, ranks_per_s
             if any(a < len(o) for a, o in zip(at, orders)):
                 raise RuntimeError("pipeline order deadlocked")  # not reachable for megatron's
             return clock
-        f = _factor_at(tasks, work, other, ranks_per_stage, factor)
-        length = {r: work[s][d] * f + other[s][d] for r, (s, d) in tasks.items()}
+        f = _factors_at(tasks, work, other, ranks_per_stage, factor)
+        length = {r: work[s][d] * f[r] + other[s][d] for r, (s, d) in tasks.items()}
         step = min(left[r] * length[r] for r in tasks)
         clock += step
         for r, (s, d) in tasks.items():

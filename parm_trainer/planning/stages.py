@@ -201,10 +201,13 @@ def _pipeline_steps(runs, cost, pp, vp, microbatches, ranks) -> list:
     (m V - 1) max t_r / V + sum t_r / V, which is (m + (P - 1) / V) max t_r for balanced
     stages and less where only some are slow (DAPPLE's and Alpa's estimate).
     Where ranks share cores (Profile.compute_concurrency), the steps are priced at the
-    compute rate of the ranks computing at once: the ranks working times the share of the
-    step they compute rather than wait on a link or a peer (a fixed point: faster compute
-    leaves more of the step waiting); over several stages the schedule, plain or interleaved,
-    is played out task by task instead (_played_out): one step, its makespan."""
+    compute rate of the ranks computing beside a computing rank: all of its own stage's ranks
+    (they run in lock-step, the same work between the same collectives, so one stage alone,
+    PP = 1, always computes at the factor of all its ranks however long it waits on links) and
+    the other working stages' ranks for the share of the step they compute rather than wait on
+    a link or a peer (a fixed point: faster compute leaves more of the step waiting); over
+    several stages the schedule, plain or interleaved, is played out task by task instead
+    (_played_out): one step, its makespan."""
     size = cost.args.world_size // pp
     lengths = [len(run) for run in runs]
     priced = {1.0: ranks}
@@ -233,8 +236,8 @@ def _pipeline_steps(runs, cost, pp, vp, microbatches, ranks) -> list:
             for _ in range(8 if cost.profile.compute_concurrency else 0):
                 now = times(factor)
                 step = max(r["time_s"] for r in now)
-                work = sum(r["time_s"] - w["time_s"] for r, w in zip(now, waiting))
-                computing = size * active / pp * work / step
+                share = sum(r["time_s"] - w["time_s"] for r, w in zip(now, waiting)) / (pp * step)
+                computing = size * (1.0 + (active - 1) * share)  # a rank's own stage: lock-step
                 factor = 0.5 * (factor + cost.profile.concurrency(computing))
             factors[active] = factor
         return times(factors[active])

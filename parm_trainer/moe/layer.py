@@ -93,8 +93,8 @@ class ParmMoELayer(MegatronModule):
         # router is, and finalize_model_grads sums it over TP once per iteration, coalesced with
         # the layer norms'; without it copy_to sums it in every backward. Elsewhere every MP
         # rank already holds the whole gradient.
-        self.gate_grad_deferred = self.plan.splits_tokens and bool(config.sequence_parallel)
-        self.router.weight.sequence_parallel = self.gate_grad_deferred
+        self.router.weight.sequence_parallel = (self.plan.splits_tokens
+                                                and bool(config.sequence_parallel))
         self.experts = build_module(submodules.experts, self.num_local_experts, config,
                                     pg_collection=pg_collection)
 
@@ -105,7 +105,7 @@ class ParmMoELayer(MegatronModule):
     # --- steps -------------------------------------------------------------------------------
     def _gate(self, tokens, seq_shape, split: bool):
         weight = self.router.weight
-        if split and not self.gate_grad_deferred:
+        if split and not weight.sequence_parallel:  # else finalize_model_grads sums it
             weight = comm.copy_to(weight, self.groups["mp"], "mp")
         dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype,
                                                                     tokens.dtype)

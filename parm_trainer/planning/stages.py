@@ -200,14 +200,12 @@ def _pipeline_steps(runs, cost, pp, vp, microbatches, ranks) -> list:
     forward (in the warm-up, r + 1 ranks working) and backward (in the cool-down, P - r):
     (m V - 1) max t_r / V + sum t_r / V, which is (m + (P - 1) / V) max t_r for balanced
     stages and less where only some are slow (DAPPLE's and Alpa's estimate).
-    Where ranks share cores (Profile.compute_concurrency), the steps are priced at the
-    compute rate of the ranks computing beside a computing rank: all of its own stage's ranks
-    (they run in lock-step, the same work between the same collectives, so one stage alone,
-    PP = 1, always computes at the factor of all its ranks however long it waits on links) and
-    the other working stages' ranks for the share of the step they compute rather than wait on
-    a link or a peer (a fixed point: faster compute leaves more of the step waiting); over
-    several stages the schedule, plain or interleaved, is played out task by task instead
-    (_played_out): one step, its makespan."""
+    Where ranks share cores (Profile.compute_concurrency), a stage's ranks compute in
+    lock-step (the same work between the same collectives), so one stage alone, PP = 1,
+    computes at the factor of all its ranks however long it waits on links; over several
+    stages the schedule, plain or interleaved, is played out task by task instead
+    (_played_out, pipeline_sim.py: other stages' ranks count by the share of their task they
+    compute): one step, its makespan."""
     size = cost.args.world_size // pp
     lengths = [len(run) for run in runs]
     priced = {1.0: ranks}
@@ -225,22 +223,11 @@ def _pipeline_steps(runs, cost, pp, vp, microbatches, ranks) -> list:
 
     if cost.profile.compute_concurrency and pp > 1:
         return [_played_out(ranks, times(1e-3), pp, vp, microbatches, size, cost.profile)]
-    factors = {}
 
     def working(active):
-        """The rank times with `active` pipeline ranks working."""
-        if active not in factors:
-            factor = cost.profile.concurrency(active * size)
-            if cost.profile.compute_concurrency:
-                waiting = times(1e-3)  # what is left without compute: the links and peers
-            for _ in range(8 if cost.profile.compute_concurrency else 0):
-                now = times(factor)
-                step = max(r["time_s"] for r in now)
-                share = sum(r["time_s"] - w["time_s"] for r, w in zip(now, waiting)) / (pp * step)
-                computing = size * (1.0 + (active - 1) * share)  # a rank's own stage: lock-step
-                factor = 0.5 * (factor + cost.profile.concurrency(computing))
-            factors[active] = factor
-        return times(factors[active])
+        """The rank times with `active` pipeline ranks working, every rank of theirs computing
+        at once (a stage's ranks run in lock-step; on shared cores only PP = 1 gets here)."""
+        return times(cost.profile.concurrency(active * size))
 
     chunks = microbatches * vp
     steady = max(r["time_s"] for r in working(min(pp, chunks)))

@@ -17,8 +17,9 @@ work[s] and other[s] are {"F": s, "B": s}: stage s's compute per micro-batch at 
 calibrated rate (factor 1) and the rest of its time (links, waits on peers), which run
 interleaved within a task, so a task computes for its share work x f / (work x f + other) of
 its time; beside a task, ranks_per_stage x (1 + the other running tasks' shares) ranks compute,
-its factor that of so many (a fixed point, as stages.py's steady state). Stage s is chunk
-s // P of pipeline rank s % P (megatron's placement); with V = 1 the stages are the ranks.
+its factor that of so many (a fixed point: faster compute leaves more of a task waiting).
+Stage s is chunk s // P of pipeline rank s % P (megatron's placement); with V = 1 the stages are
+the ranks.
 """
 
 from __future__ import annotations

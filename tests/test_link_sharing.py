@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -220,8 +221,6 @@ def test_a_stages_ranks_compute_in_lock_step():
     long they wait on links, their compute is priced at the factor of all of them; only other
     stages' ranks count by the share of their time they compute. PP 1 on 4 ranks over 2 x 2
     with links priced: the same compute as at the calibrated rate of all 4 at once."""
-    from dataclasses import replace
-
     from parm_trainer.planning.model_cost import ModelCost
     from parm_trainer.planning.pipeline_sim import one_f_one_b
     from parm_trainer.planning.stages import predict, split
@@ -282,6 +281,42 @@ def test_interleaved_played_out_by_hand():
     slow = [{"F": 2.0, "B": 4.0}, *chunk[1:]]
     assert one_f_one_b(slow, none, 2, 4, 1, lambda k: 1.0, vp=2) > 27.0
     assert one_f_one_b([*chunk[:3], slow[0]], none, 2, 4, 1, lambda k: 1.0, vp=2) > 27.0
+    # transfers of 0.5 at every boundary, overlapped (overlap_p2p_comm) only in the steady
+    # phase: rank 0 (4 warm-up forwards, no steady phase) and rank 1's 2 warm-up forwards and
+    # 2 cool-down backwards block on theirs (0.5 a side, the first and last stage one side);
+    # stage 0's forwards 0-1.5, 1.5-3; stage 1's 1.5-3.5, 3.5-5.5; stage 2's 3.5-5.5, 5.5-7.5;
+    # rank 1's steady last stage: F 5.5-6.5, B 6.5-8.5, F 8.5-9.5, B 9.5-11.5, each backward
+    # reaching stage 2 0.5 later: its backwards 9-12, 12-15; stage 1's 12-15, 15-18; stage 0's
+    # 15-17.5, 18-20.5
+    assert one_f_one_b(chunk, none, 2, 2, 1, lambda k: 1.0, vp=2,
+                       transfer=[0.5] * 4) == pytest.approx(20.5)
+    # plain order, one micro-batch: F 0-1.5 (warm-up, blocking), F 1.5-2.5 and B 2.5-4.5
+    # (steady), B from 4.5 + 0.5 to 7.5 (cool-down, blocking)
+    assert one_f_one_b(chunk[:2], none, 2, 1, 1, lambda k: 1.0,
+                       transfer=[0.5] * 2) == pytest.approx(7.5)
+
+
+def test_interleaved_transfers_overlap_the_compute():
+    """megatron's interleaved schedule posts its steady phase's P2P transfers beside the
+    compute (overlap_p2p_comm, on by default): cheaper than the same layout with
+    --no-overlap-p2p-communication, whose transfers block as plain 1F1B's do; each chunk
+    knows its transfer to the next."""
+    from parm_trainer.planning.model_cost import ModelCost
+    from parm_trainer.planning.stages import predict, split
+
+    linked = _profile(node_links=1)
+    for curve in (None, ((2, 0.5), (4, 1.0))):  # the closed form and the played-out schedule
+        args = _demo_args(2)
+        cost = ModelCost(args, replace(linked, compute_concurrency=curve))
+        chunks = split(cost.pieces(), 4, cost)
+        overlapped = predict(chunks, cost, 2, 2, 4)
+        rank = overlapped["ranks"][0]
+        assert rank["chunks"][0]["send_s"] == pytest.approx(cost.p2p_s(0, 1))
+        assert cost.p2p_s(0, 1) > 0
+        assert rank["p2p_s"] == pytest.approx(2 * sum(c["p2p_s"] for c in rank["chunks"]))
+        args.overlap_p2p_comm = False
+        blocking = predict(chunks, ModelCost(args, cost.profile), 2, 2, 4)
+        assert blocking["iteration_s"] > overlapped["iteration_s"]
 
 
 def test_wait_at_a_call_scales_with_the_compute_rate():

@@ -172,19 +172,24 @@ def predict(runs: list, cost: ModelCost, pp: int, vp: int, microbatches: int,
 
 def _rank_times(runs: list, cost: ModelCost, pp: int, tied: bool = True) -> list:
     """Per pipeline rank: its chunks' compute per micro-batch, their P2P transfers (a send
-    and a receive at each chunk boundary, priced for the rank pairs of that boundary) and
+    and a receive at each chunk boundary, priced for the rank pairs of that boundary; each
+    chunk's p2p_s apart too, and its send_s: the transfer to the next chunk) and
     parameters."""
     ranks = [{"time_s": 0.0, "compute_s": 0.0, "forward_s": 0.0, "backward_s": 0.0,
-              "params": 0.0, "expert_params": 0.0, "chunks": []} for _ in range(pp)]
+              "p2p_s": 0.0, "params": 0.0, "expert_params": 0.0, "chunks": []}
+             for _ in range(pp)]
     for c, run in enumerate(runs):
         rank = ranks[c % pp]
         compute = sum(p.total_s for p in run)
         p2p = sum(cost.p2p_s(c % pp, other % pp) for other in (c - 1, c + 1)
                   if 0 <= other < len(runs))
+        send = cost.p2p_s(c % pp, (c + 1) % pp) if c + 1 < len(runs) else 0.0
         chunk = {"forward_s": sum(p.forward_s for p in run) + p2p,
-                 "backward_s": sum(p.backward_s for p in run) + p2p}
+                 "backward_s": sum(p.backward_s for p in run) + p2p, "p2p_s": p2p,
+                 "send_s": send}
         rank["chunks"].append(chunk)
         rank["compute_s"] += compute
+        rank["p2p_s"] += 2 * p2p
         rank["time_s"] += compute + 2 * p2p
         rank["forward_s"] += chunk["forward_s"]
         rank["backward_s"] += chunk["backward_s"]
@@ -192,6 +197,12 @@ def _rank_times(runs: list, cost: ModelCost, pp: int, tied: bool = True) -> list
         rank["params"] += params
         rank["expert_params"] += experts
     return ranks
+
+
+def overlapped_p2p(args, vp: int) -> bool:
+    """Whether megatron runs the P2P transfers beside the compute: its interleaved schedule
+    with overlap_p2p_comm (models/config.py: on unless --no-overlap-p2p-communication)."""
+    return vp > 1 and getattr(args, "overlap_p2p_comm", True)
 
 
 def _pipeline_steps(runs, cost, pp, vp, microbatches, ranks) -> list:
@@ -222,23 +233,26 @@ def _pipeline_steps(runs, cost, pp, vp, microbatches, ranks) -> list:
         return priced[factor]
 
     if cost.profile.compute_concurrency and pp > 1:
-        return [_played_out(ranks, times(1e-3), pp, vp, microbatches, size, cost.profile)]
+        return [_played_out(ranks, times(1e-3), pp, vp, microbatches, size, cost.profile,
+                            overlapped_p2p(cost.args, vp))]
 
     def working(active):
         """The rank times with `active` pipeline ranks working, every rank of theirs computing
         at once (a stage's ranks run in lock-step; on shared cores only PP = 1 gets here)."""
         return times(cost.profile.concurrency(active * size))
 
-    chunks = microbatches * vp
-    steady = max(r["time_s"] for r in working(min(pp, chunks)))
+    chunks, overlap = microbatches * vp, overlapped_p2p(cost.args, vp)
+    steady = max(r["time_s"] - (r["p2p_s"] if overlap else 0.0)
+                 for r in working(min(pp, chunks)))
     steps = [steady / vp] * (chunks - 1)
-    for r in range(pp):
+    for r in range(pp):  # the warm-up and cool-down: P2P blocking in either schedule
         steps.append((working(min(r + 1, chunks))[r]["forward_s"]
                       + working(min(pp - r, chunks))[r]["backward_s"]) / vp)
     return steps
 
 
-def _played_out(ranks, waiting, pp, vp, microbatches, size, profile) -> float:
+def _played_out(ranks, waiting, pp, vp, microbatches, size, profile,
+                overlap: bool = False) -> float:
     """1F1B, plain or interleaved, on ranks that share cores, task by task (pipeline_sim.py):
     each chunk's compute is its time less `waiting`, its time with compute (nearly) free: links
     and peers. Stage s is chunk s // P of rank s % P."""
@@ -246,8 +260,10 @@ def _played_out(ranks, waiting, pp, vp, microbatches, size, profile) -> float:
               for s in range(pp * vp)]
     work = [{"F": c["forward_s"] - w["forward_s"], "B": c["backward_s"] - w["backward_s"]}
             for c, w in stages]
-    other = [{"F": w["forward_s"], "B": w["backward_s"]} for _, w in stages]
-    return one_f_one_b(work, other, pp, microbatches, size, profile.concurrency, vp)
+    p2p = [w["p2p_s"] if overlap else 0.0 for _, w in stages]  # played out apart (below)
+    other = [{"F": w["forward_s"] - x, "B": w["backward_s"] - x} for (_, w), x in zip(stages, p2p)]
+    transfer = [c["send_s"] for c, _ in stages] if overlap else None
+    return one_f_one_b(work, other, pp, microbatches, size, profile.concurrency, vp, transfer)
 
 
 def auto_layout(args, log=print) -> str:

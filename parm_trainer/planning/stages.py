@@ -181,9 +181,8 @@ def _rank_times(runs: list, cost: ModelCost, pp: int, tied: bool = True) -> list
     for c, run in enumerate(runs):
         rank = ranks[c % pp]
         compute = sum(p.total_s for p in run)
-        p2p = sum(cost.p2p_s(c % pp, other % pp) for other in (c - 1, c + 1)
-                  if 0 <= other < len(runs))
         send = cost.p2p_s(c % pp, (c + 1) % pp) if c + 1 < len(runs) else 0.0
+        p2p = send + (cost.p2p_s(c % pp, (c - 1) % pp) if c else 0.0)  # and the receive
         chunk = {"forward_s": sum(p.forward_s for p in run) + p2p,
                  "backward_s": sum(p.backward_s for p in run) + p2p, "p2p_s": p2p,
                  "send_s": send}
@@ -220,6 +219,7 @@ def _pipeline_steps(runs, cost, pp, vp, microbatches, ranks) -> list:
     size = cost.args.world_size // pp
     lengths = [len(run) for run in runs]
     priced = {1.0: ranks}
+    chunks, overlap = microbatches * vp, overlapped_p2p(cost.args, vp)
 
     def times(factor):
         factor = round(factor, 3)
@@ -234,14 +234,13 @@ def _pipeline_steps(runs, cost, pp, vp, microbatches, ranks) -> list:
 
     if cost.profile.compute_concurrency and pp > 1:
         return [_played_out(ranks, times(1e-3), pp, vp, microbatches, size, cost.profile,
-                            overlapped_p2p(cost.args, vp))]
+                            overlap)]
 
     def working(active):
         """The rank times with `active` pipeline ranks working, every rank of theirs computing
         at once (a stage's ranks run in lock-step; on shared cores only PP = 1 gets here)."""
         return times(cost.profile.concurrency(active * size))
 
-    chunks, overlap = microbatches * vp, overlapped_p2p(cost.args, vp)
     steady = max(r["time_s"] - (r["p2p_s"] if overlap else 0.0)
                  for r in working(min(pp, chunks)))
     steps = [steady / vp] * (chunks - 1)

@@ -116,21 +116,45 @@ def recorded(ranks, **kwargs):
     return enumerate_groups(ranks, **kwargs)
 dist.new_subgroups_by_enumeration = recorded
 points = calibrate.measure_sync_wait(1, 0, torch.device("cpu"), 1, per_node=2, rounds=2)
+burst = calibrate.measure_burst(2, torch.device("cpu"), per_node=2, pause=0.01)
+one_node = calibrate.measure_burst(2, torch.device("cpu"), per_node=4)
 if dist.get_rank() == 0:
     print("groups", made, "points", len(points), "ok",
-          all(chunk > 0 and wait >= 0 for chunk, wait in points))
+          all(chunk > 0 and wait >= 0 for chunk, wait in points),
+          "stretches", max(c for c, _ in points) > 3 * min(c for c, _ in points))
+    print("burst sizes", [b for b, _, _ in burst], "timed",
+          all(s > 0 and p > 0 for _, s, p in burst), "one node", one_node)
 dist.destroy_process_group()
 '''
 
 
 def test_wait_at_a_call_is_measured_in_each_nodes_group(tmp_path):
     """On 2 nodes x 2 ranks the wait is measured in the groups where MP collectives run (each
-    node's ranks, both at once), not across the node link: 3 collectives x 3 GEMM sizes per
-    round."""
+    node's ranks, both at once), not across the node link: 3 collectives x 3 stretches of
+    compute per round (the longest several times the shortest). The same launch times a
+    send from the first node to the second back to back and after a pause at every size
+    (none on one node)."""
     from conftest import free_port, torchrun
     script = tmp_path / "wait.py"
     script.write_text(WAIT_SCRIPT)
     status, output = torchrun(["--nproc-per-node", 4, "--master-port", free_port(), script],
                               timeout=120)
     assert status == 0, output[-3000:]
-    assert "groups [[[0, 1], [2, 3]]] points 18 ok True" in output
+    assert "groups [[[0, 1], [2, 3]]] points 18 ok True stretches True" in output
+    from parm_trainer.bench.calibrate import BURST_SIZES
+    assert f"burst sizes {list(BURST_SIZES)} timed True one node []" in output
+
+
+def test_burst_is_read_from_sends_after_a_pause():
+    """burst_from: a link that lets B bytes through at once after a pause saves B at the
+    sustained rate on every send longer than B (exact synthetic lines); one that saves
+    nothing has no burst; sends all inside the burst bound it from below."""
+    from parm_trainer.bench.calibrate import BURST_SIZES, burst_from
+
+    def points(bucket):
+        return [(b, 1e-4 + b * 4e-8, 1e-4 + max(0, b - bucket) * 4e-8) for b in BURST_SIZES]
+    assert burst_from(points(250_000)) == pytest.approx(250_000)
+    assert burst_from(points(100_000)) == pytest.approx(100_000)
+    assert burst_from(points(0)) == 0.0
+    assert burst_from(points(10 ** 8)) == pytest.approx(BURST_SIZES[-1])
+    assert burst_from([]) == 0.0

@@ -322,6 +322,8 @@ def _broken(edit):
     (lambda d: d.update(lanes=True), "lanes must be a positive integer"),
     (lambda d: d.update(layer={"comm_factor": 2.0, "per_step": 1e-4}), "layer must have some of"),
     (lambda d: d.update(layer={"s_per_call": -1e-4}), "s_per_call >= 0"),
+    (lambda d: d.update(burst_bytes=-1), "burst_bytes must be a number >= 0"),
+    (lambda d: d.update(burst_bytes="big"), "burst_bytes must be a number >= 0"),
 ])
 def test_malformed_profile_is_refused(edit, message):
     with pytest.raises(ProfileError) as error:

@@ -152,6 +152,32 @@ def test_planner_prices_the_embedding_all_reduce_and_each_boundary():
     assert ModelCost(_demo_args(1), profile).embedding_sync_s() == 0.0
 
 
+def test_p2p_across_nodes_gets_the_links_burst():
+    """A node link that passes burst_bytes at once after a pause (calibrate_comm's
+    measure_burst): a P2P transfer across nodes pays only the bytes beyond its share of the
+    burst (the pairs leaving a node at once split it), never below the call's alpha; inside a
+    node nothing changes."""
+    from dataclasses import replace
+
+    from parm_trainer.planning.model_cost import ModelCost
+
+    profile = _profile(node_links=1)
+    four, two = ModelCost(_demo_args(4), profile), ModelCost(_demo_args(2), profile)
+    alpha = profile.rate("allgather", 2, groups=[[1, 2]])[0]
+    nbytes = 32 * 2 * 64 * 4  # one fp32 activation per pair
+    burst = replace(profile, burst_bytes=nbytes / 4)
+    bursty4, bursty2 = ModelCost(_demo_args(4), burst), ModelCost(_demo_args(2), burst)
+    # PP 4: one pair crosses between pipeline ranks 1 and 2, the whole burst its own
+    assert bursty4.p2p_s(1, 2) == pytest.approx(alpha + nbytes * 3 / 4 * 1e-8)
+    assert bursty4.p2p_s(0, 1) == pytest.approx(four.p2p_s(0, 1))  # inside node 0
+    # PP 2: both pairs of the stages leave their node at once (2 flows: 2e-8 per byte each)
+    both = two.profile.rate("allgather", 2, groups=two.stage_pairs(0, 1))
+    assert both[1] == pytest.approx(2e-8)
+    assert bursty2.p2p_s(0, 1) == pytest.approx(both[0] + (nbytes - nbytes / 8) * 2e-8)
+    flood = ModelCost(_demo_args(4), replace(profile, burst_bytes=10 * nbytes))
+    assert flood.p2p_s(1, 2) == pytest.approx(alpha)
+
+
 def test_every_collective_pays_the_calibrated_wait_at_a_call():
     """s_per_call (what calibrate_comm measures as the wait at a collective after compute) is
     added once per collective call of the dense pieces, as plan_cost adds it per call of the

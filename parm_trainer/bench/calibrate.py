@@ -162,18 +162,21 @@ def measure_concurrency(repeats, warmup, device, calls) -> list:
 # The MP collectives measured after compute: (kind, fp32 elements per rank) - a scalar
 # AllReduce and sequence parallelism's AllGather and ReduceScatter of a small activation.
 WAIT_CALLS = (("allreduce", 1), ("allgather", 32768), ("reducescatter", 65536))
+# Seconds of compute before the call: a decoder's collective calls follow a few to tens of
+# milliseconds of it on the shapes these machines train, and the wait grows with it.
+WAIT_STRETCHES = (0.002, 0.008, 0.03)
 
 
 def measure_sync_wait(repeats, warmup, device, calls, per_node, rounds=3) -> list:
     """[(chunk seconds, wait seconds)]: in every node's group of ranks at once (MP groups
     sit inside a node; the world where a node holds one rank), each WAIT_CALLS collective
-    timed alone, each GEMM case of one shape (3 sizes) alone, and the two back to back; the
-    wait is what the pair takes beyond the two apart; all of it `rounds` times (a single
-    point varies by milliseconds from one round to the next). At a collective after compute,
-    ranks wait for the slowest to arrive (on shared cores, for one the scheduler left
-    behind), which a collective timed after a barrier never sees. Profile.layer's
-    s_per_call, the median of the points, prices it at every collective call; on GPUs it is
-    about 0."""
+    timed alone, a stretch of compute (a GEMM case repeated to about each WAIT_STRETCHES)
+    alone, and the two back to back; the wait is what the pair takes beyond the two apart;
+    all of it `rounds` times (a single point varies by milliseconds from one round to the
+    next). At a collective after compute, ranks wait for the slowest to arrive (on shared
+    cores, for one the scheduler left behind, longer the longer they computed), which a
+    collective timed after a barrier never sees. Profile.layer's s_per_call, the median of
+    the points, prices it at every collective call; on GPUs it is about 0."""
     world = dist.get_world_size()
     nodes = calibration_groups(world, per_node).get("intra", [list(range(world))])
     if len(nodes[0]) < 2:
@@ -183,9 +186,16 @@ def measure_sync_wait(repeats, warmup, device, calls, per_node, rounds=3) -> lis
     else:
         group, _ = dist.new_subgroups_by_enumeration(nodes)
         size = len(nodes[0])
-    chunks = [call for _, call in [case for case, (rows, m, h)
-                                   in zip(gemm_cases(device), GEMM_SHAPES)
-                                   if (m, h) == (64, 128)]]
+    gemm = [call for (_, call), (rows, m, h) in zip(gemm_cases(device), GEMM_SHAPES)
+            if (rows, m, h) == (1024, 64, 128)][0]
+    unit = torch.tensor([time_call(gemm, repeats, warmup, device, calls)], device=device)
+    dist.all_reduce(unit, op=dist.ReduceOp.MAX)  # every rank repeats it as often
+    chunks = []
+    for target in WAIT_STRETCHES:
+        def chunk(k=max(1, round(target / unit.item()))):
+            for _ in range(k):
+                gemm()
+        chunks.append(chunk)
     points = []
     for _ in range(rounds):
         for kind, numel in WAIT_CALLS:
@@ -200,6 +210,59 @@ def measure_sync_wait(repeats, warmup, device, calls, per_node, rounds=3) -> lis
                 both = time_call(pair, repeats, warmup, device, calls)
                 points.append((chunk, max(0.0, both - chunk - alone)))
     return points
+
+
+BURST_SIZES = (65536, 131072, 262144, 524288, 1048576, 2097152)
+
+
+def measure_burst(repeats, device, per_node, pause=0.05) -> list:
+    """[(bytes, sustained s, after a pause s)]: rank i of the first node sends to rank i of
+    the second, one pair (one flow on the link), each size timed back to back (the link
+    busy) and after `pause` seconds of quiet (as a pipeline stage's P2P after its compute);
+    [] on one node. burst_from() reads the bytes the link passes at once from them."""
+    world = dist.get_world_size()
+    if per_node >= world or world % per_node:
+        return []
+    rank = dist.get_rank()
+    peer = {0: per_node, per_node: 0}.get(rank)
+    points = []
+    for nbytes in BURST_SIZES:
+        buf = torch.ones(nbytes // 4, device=device)
+
+        def send(buf=buf):
+            if peer is not None:
+                (dist.send if rank == 0 else dist.recv)(buf, peer)
+        times = []
+        for gap in (0.0, pause):
+            samples = torch.zeros(repeats, dtype=torch.float64)
+            for i in range(repeats):
+                dist.barrier()
+                time.sleep(gap)
+                dist.barrier()
+                t0 = time.perf_counter()
+                send()
+                _sync(device)
+                samples[i] = time.perf_counter() - t0
+            dist.all_reduce(samples, op=dist.ReduceOp.MAX)
+            times.append(statistics.median(samples.tolist()))
+        points.append((nbytes, *times))
+    return points
+
+
+def burst_from(points) -> float:
+    """Bytes a link passes at once after a pause, from measure_burst's points: each size's
+    time saved after the pause at the sustained rate (the slope of the sustained times);
+    the median over the sizes that exceeded it (the others only bound it from below), 0 when
+    the pause saves nothing."""
+    if len(points) < 2:
+        return 0.0
+    sizes = [b for b, _, _ in points]
+    slope = statistics.linear_regression(sizes, [s for _, s, _ in points]).slope
+    if slope <= 0:
+        return 0.0
+    saved = [max(0.0, (s - p) / slope) for _, s, p in points]
+    over = [v for b, v in zip(sizes, saved) if b > 1.5 * v]
+    return statistics.median(over) if over else max(saved)
 
 
 def flow_groups(world, per_node, flows) -> list:
@@ -327,7 +390,7 @@ def fit(points, relative: bool = False):
 def calibrate(args, device, per_node):
     """Everything calibrate_comm measures, on every rank: (measured {link: (group size,
     {kind: points})}, local {"compute"|"memory": points, "concurrency": [(k, factor)],
-    "sync_wait": [(chunk s, wait s)],
+    "sync_wait": [(chunk s, wait s)], "burst": [(bytes, sustained s, after a pause s)],
     "link_sharing": (inter flows, [(flows, points)])}, node_share per link, remote_peers per
     link)."""
     from parm_trainer.progress import Progress
@@ -335,7 +398,7 @@ def calibrate(args, device, per_node):
     world = dist.get_world_size()
     measured, shares, remote = {}, {}, {}
     links = calibration_groups(world, per_node, args.group_size)
-    progress = Progress(len(links) + 5, "calibrate_comm", enabled=dist.get_rank() == 0)
+    progress = Progress(len(links) + 6, "calibrate_comm", enabled=dist.get_rank() == 0)
     for link, groups in links.items():
         measured[link] = measure_groups(groups, args, device)
         shares[link], remote[link] = node_share(groups, per_node), remote_peers(groups, per_node)
@@ -353,4 +416,6 @@ def calibrate(args, device, per_node):
     local["link_sharing"] = (measure_link_sharing(links["inter"], args, device, per_node)
                              if "inter" in links else (1, []))
     progress.done("link sharing (AllReduce with 1 and more flows per node)")
+    local["burst"] = measure_burst(max(5, args.repeats), device, per_node)
+    progress.done("the link's burst (sends after a pause)")
     return measured, local, shares, remote

@@ -10,7 +10,7 @@ import os
 import statistics
 import sys
 
-from parm_trainer.bench.calibrate import R2_MIN, fit
+from parm_trainer.bench.calibrate import R2_MIN, burst_from, fit
 from parm_trainer.moe.cost_model import KINDS, LAYER_DEFAULT, LINKS, Profile
 from parm_trainer.moe.link_sharing import links_from
 
@@ -60,11 +60,13 @@ def report(args, backend, world, per_node, hosts, measured, local, shares, remot
     concurrency = tuple((k, round(f, 3)) for k, f in local.get("concurrency", ()))
     waits = [wait for _, wait in local.get("sync_wait", ())]
     per_call = statistics.median(waits) if waits else 0.0
+    burst = burst_from(local.get("burst", ()))
     # gloo gives each process group two worker threads (ProcessGroupGloo's default), so two
     # started collectives of one group run at once; NCCL runs them in order on its stream
     profile = Profile(gpus_per_node=per_node, collectives=collectives,
                       lanes=2 if backend == "gloo" else 1, node_links=node_links,
                       inter_flows=max(1, inter_flows), compute_concurrency=concurrency,
+                      burst_bytes=round(burst),
                       compute=local_fits["compute"][:2], memory=local_fits["memory"][:2],
                       layer=(*LAYER_DEFAULT[:3], per_call),
                       name=args.name, description="; ".join(notes), world_size=world)
@@ -77,6 +79,7 @@ def report(args, backend, world, per_node, hosts, measured, local, shares, remot
                                "points": flow_points[i][1]}
                               for i, (flows, f) in enumerate(flow_fits)]
     extra["sync_wait"] = [list(p) for p in local.get("sync_wait", ())]
+    extra["burst"] = [list(p) for p in local.get("burst", ())]
     data["fit"] = extra
     out_dir = os.path.dirname(os.path.abspath(args.output))
     os.makedirs(out_dir, exist_ok=True)
@@ -119,6 +122,10 @@ def report(args, backend, world, per_node, hosts, measured, local, shares, remot
         print(f"a collective after compute waits {per_call * 1e3:.2f} ms more than one after a "
               f"barrier (median over {len(waits)} calls after {min(chunks) * 1e3:.1f} to "
               f"{max(chunks) * 1e3:.1f} ms of compute): the layer's s_per_call")
+    if local.get("burst"):
+        print(f"the node link passes {burst / 1024:.0f} KiB at once after a pause (sends of "
+              f"{local['burst'][0][0] // 1024}-{local['burst'][-1][0] // 1024} KiB timed back to "
+              "back and after 50 ms of quiet): the planner's P2P between stages gets it")
     for note in notes[2:]:
         print(f"note: {note}")
     print(f"wrote {args.output}")

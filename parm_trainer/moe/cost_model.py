@@ -56,9 +56,10 @@ down; 1 when absent), and every step adds host_s_per_step (framework and launch 
 twice), and every collective call (the pipeline step makes one per collective and piece) adds
 s_per_call, outside any overlap: each call is a point where ranks wait for the slowest of them,
 and host work of its own, which an isolated calibration of the call does not see;
-calibrate_comm measures it on its own (3 MP collectives in each node's group after GEMMs of 3
-sizes, beyond the two apart: bench/calibrate.measure_sync_wait) and the whole-model planner adds it to every
-collective call of the dense pieces too but P2P, whose wait the pipeline steps price. (Fitted
+calibrate_comm measures it on its own (3 MP collectives in each node's group after stretches
+of 2-30 ms of compute, beyond the two apart: bench/calibrate.measure_sync_wait) and the
+whole-model planner adds it to every collective call of the dense pieces too but P2P, whose
+wait the pipeline steps price. (Fitted
 inside the pipeline's overlap instead, it could not tell r = 2 from r = 4 on 8 processes per 2
 cores, where more pieces measured up to 50 % slower.)
 Exact exchange (LayerShape.exact, exchange.py): no capacity; a rank sends each EP rank the
@@ -215,6 +216,10 @@ class Profile:
     node_links: Optional[float] = None
     inter_flows: int = 1
     compute_concurrency: tuple = ()
+    # Bytes a node's link passes at once after it has idled (a traffic shaper's bucket; 0 on
+    # a link that never runs above its rate): calibrate_comm measures it with sends after a
+    # pause; the planner's P2P transfers between stages, spaced by a stage's compute, get it.
+    burst_bytes: float = 0.0
 
     def price(self, kind: str, shape: LayerShape, group: str) -> tuple:
         """(alpha s, beta s per byte sent) of collective `kind` on the layer's `group`. An
@@ -278,6 +283,8 @@ class Profile:
             data["inter_flows"] = self.inter_flows
         if self.compute_concurrency:
             data["compute_concurrency"] = [list(p) for p in self.compute_concurrency]
+        if self.burst_bytes:
+            data["burst_bytes"] = self.burst_bytes
         text = json.dumps(data, indent=2)
         if path:
             with open(path, "w") as f:
@@ -291,8 +298,8 @@ class Profile:
         (compute: {"alpha_us", "TFLOPs"}; memory: {"alpha_us", "GBps"}). Top-level keys:
         gpus_per_node, collectives, compute (required); memory, layer (some of
         "comm_factor", "compute_factor", "host_s_per_step", "s_per_call"), lanes, node_links,
-        inter_flows, compute_concurrency ([[ranks, factor], ...]), name, description,
-        world_size, notes, fit (optional). Anything else, a
+        inter_flows, compute_concurrency ([[ranks, factor], ...]), burst_bytes, name,
+        description, world_size, notes, fit (optional). Anything else, a
         missing entry, or a negative, zero-rate or non-finite number raises ProfileError."""
         where = "cost profile"
         if not source.lstrip().startswith("{"):
@@ -311,7 +318,7 @@ class Profile:
 
 _TOP_KEYS = {"gpus_per_node", "collectives", "compute", "memory", "layer", "lanes", "name",
              "description", "world_size", "notes", "fit", "node_links", "inter_flows",
-             "compute_concurrency"}
+             "compute_concurrency", "burst_bytes"}
 
 
 def _profile_from_dict(data, where: str) -> Profile:
@@ -355,8 +362,13 @@ def _profile_from_dict(data, where: str) -> Profile:
         raise bad(f"layer factors must be > 0 and host_s_per_step, s_per_call >= 0, got "
                   f"{data['layer']!r}")
     links, flows, concurrency = _sharing_entries(data, bad)
+    burst = data.get("burst_bytes", 0.0)
+    if (isinstance(burst, bool) or not isinstance(burst, (int, float))
+            or not math.isfinite(burst) or burst < 0):
+        raise bad(f"burst_bytes must be a number >= 0, got {burst!r}")
     return Profile(gpus_per_node=gpus, collectives=collectives, layer=layer, lanes=lanes,
                    node_links=links, inter_flows=flows, compute_concurrency=concurrency,
+                   burst_bytes=float(burst),
                    compute=_pair(data["compute"], "TFLOPs", 1e12, f"{where}: compute"),
                    memory=(_pair(data["memory"], "GBps", 1e9, f"{where}: memory")
                            if "memory" in data else None),

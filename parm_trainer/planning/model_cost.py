@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from parm_trainer.moe.cost_model import Profile, plan_cost, sent_bytes, shape_plan
+from parm_trainer.moe.link_sharing import link_flows, remote_share_of
 
 
 @dataclass(frozen=True)
@@ -246,11 +247,19 @@ class ModelCost:
         return [[a * size + i, b * size + i] for i in range(size)]
 
     def p2p_s(self, a: int = 0, b: int = 1) -> float:
-        """One activation (or its gradient) between pipeline ranks a and b; without the wait
-        at a call: waiting on the other stage is the schedule's own dependency, which the
-        pipeline steps price (stages.py)."""
+        """One activation (or its gradient) between pipeline ranks a and b, every pair of
+        theirs at once; without the wait at a call: waiting on the other stage is the
+        schedule's own dependency, which the pipeline steps price (stages.py). Across nodes,
+        the pairs leaving a node share its link's burst (Profile.burst_bytes): transfers
+        spaced by a stage's compute find the link idle."""
         nbytes = self.n * self.args.hidden_size * self.e / (self.tp if self.sp else 1)
-        return self.coll("allgather", nbytes, 2, groups=self.stage_pairs(a, b), wait=False)
+        pairs, per_node = self.stage_pairs(a, b), self.profile.gpus_per_node
+        if not self.profile.burst_bytes or remote_share_of(pairs, per_node) == 0:
+            return self.coll("allgather", nbytes, 2, groups=pairs, wait=False)
+        alpha, beta = self.profile.rate("allgather", 2, groups=pairs)
+        flows = link_flows(pairs, per_node)
+        sent = sent_bytes("allgather", int(nbytes), 2)
+        return alpha + max(0.0, sent - self.profile.burst_bytes / flows) * beta
 
     def embedding_sync_s(self) -> float:
         """megatron's all-reduce of the tied word embedding's fp32 gradient between the first

@@ -55,16 +55,21 @@ def _op(kind, x, group, world):
     raise ValueError(kind)
 
 
-def time_call(call, repeats, warmup, device, calls, group=None, active=True) -> float:
+def time_call(call, repeats, warmup, device, calls, group=None, active=True,
+              pause=0.0) -> float:
     """Median seconds of one call: --warmup untimed calls, then `repeats` samples, each after a
-    barrier on the group and the mean of `calls` back-to-back calls; a sample's time is the
-    slowest rank's. A rank not `active` joins the barriers and the MAX but calls nothing."""
+    barrier on the group (and, with `pause`, that many seconds of quiet and a second barrier)
+    and the mean of `calls` back-to-back calls; a sample's time is the slowest rank's. A rank
+    not `active` joins the barriers and the MAX but calls nothing."""
     for _ in range(warmup if active else 0):
         call()
     _sync(device)
     times = torch.zeros(repeats, dtype=torch.float64, device=device)
     for i in range(repeats):
         dist.barrier(group=group)
+        if pause:
+            time.sleep(pause)
+            dist.barrier(group=group)
         if not active:
             continue
         _sync(device)
@@ -213,13 +218,14 @@ def measure_sync_wait(repeats, warmup, device, calls, per_node, rounds=3) -> lis
 
 
 BURST_SIZES = (65536, 131072, 262144, 524288, 1048576, 2097152)
+BURST_PAUSE = 0.05  # seconds of quiet before a send, as a pipeline stage's compute
 
 
-def measure_burst(repeats, device, per_node, pause=0.05) -> list:
-    """[(bytes, sustained s, after a pause s)]: rank i of the first node sends to rank i of
-    the second, one pair (one flow on the link), each size timed back to back (the link
-    busy) and after `pause` seconds of quiet (as a pipeline stage's P2P after its compute);
-    [] on one node. burst_from() reads the bytes the link passes at once from them."""
+def measure_burst(repeats, device, per_node, pause=BURST_PAUSE) -> list:
+    """[(bytes, sustained s, after a pause s)]: rank 0 of the first node sends to rank 0 of
+    the second (one flow on the link), each size timed back to back (the link busy) and
+    after `pause` seconds of quiet (as a pipeline stage's P2P after its compute); [] on one
+    node. burst_from() reads the bytes the link passes at once from them."""
     world = dist.get_world_size()
     if per_node >= world or world % per_node:
         return []
@@ -230,22 +236,9 @@ def measure_burst(repeats, device, per_node, pause=0.05) -> list:
         buf = torch.ones(nbytes // 4, device=device)
 
         def send(buf=buf):
-            if peer is not None:
-                (dist.send if rank == 0 else dist.recv)(buf, peer)
-        times = []
-        for gap in (0.0, pause):
-            samples = torch.zeros(repeats, dtype=torch.float64)
-            for i in range(repeats):
-                dist.barrier()
-                time.sleep(gap)
-                dist.barrier()
-                t0 = time.perf_counter()
-                send()
-                _sync(device)
-                samples[i] = time.perf_counter() - t0
-            dist.all_reduce(samples, op=dist.ReduceOp.MAX)
-            times.append(statistics.median(samples.tolist()))
-        points.append((nbytes, *times))
+            (dist.send if rank == 0 else dist.recv)(buf, peer)
+        points.append((nbytes, *(time_call(send, repeats, 0, device, 1, active=peer is not None,
+                                           pause=gap) for gap in (0.0, pause))))
     return points
 
 

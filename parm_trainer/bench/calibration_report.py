@@ -10,7 +10,7 @@ import os
 import statistics
 import sys
 
-from parm_trainer.bench.calibrate import R2_MIN, burst_from, fit
+from parm_trainer.bench.calibrate import BURST_PAUSE, R2_MIN, burst_from, fit
 from parm_trainer.moe.cost_model import KINDS, LAYER_DEFAULT, LINKS, Profile
 from parm_trainer.moe.link_sharing import links_from
 
@@ -125,7 +125,8 @@ def report(args, backend, world, per_node, hosts, measured, local, shares, remot
     if local.get("burst"):
         print(f"the node link passes {burst / 1024:.0f} KiB at once after a pause (sends of "
               f"{local['burst'][0][0] // 1024}-{local['burst'][-1][0] // 1024} KiB timed back to "
-              "back and after 50 ms of quiet): the planner's P2P between stages gets it")
+              f"back and after {BURST_PAUSE * 1e3:.0f} ms of quiet): the planner's P2P between "
+              "stages gets it")
     for note in notes[2:]:
         print(f"note: {note}")
     print(f"wrote {args.output}")

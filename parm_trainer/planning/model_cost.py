@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from parm_trainer.moe.cost_model import Profile, plan_cost, sent_bytes, shape_plan
-from parm_trainer.moe.link_sharing import link_flows, remote_share_of
+from parm_trainer.moe.link_sharing import link_flows
 
 
 @dataclass(frozen=True)
@@ -253,13 +253,11 @@ class ModelCost:
         the pairs leaving a node share its link's burst (Profile.burst_bytes): transfers
         spaced by a stage's compute find the link idle."""
         nbytes = self.n * self.args.hidden_size * self.e / (self.tp if self.sp else 1)
-        pairs, per_node = self.stage_pairs(a, b), self.profile.gpus_per_node
-        if not self.profile.burst_bytes or remote_share_of(pairs, per_node) == 0:
-            return self.coll("allgather", nbytes, 2, groups=pairs, wait=False)
-        alpha, beta = self.profile.rate("allgather", 2, groups=pairs)
-        flows = link_flows(pairs, per_node)
-        sent = sent_bytes("allgather", int(nbytes), 2)
-        return alpha + max(0.0, sent - self.profile.burst_bytes / flows) * beta
+        pairs = self.stage_pairs(a, b)
+        flows = link_flows(pairs, self.profile.gpus_per_node)  # 0 inside a node
+        if flows:
+            nbytes = max(0.0, nbytes - self.profile.burst_bytes / flows)
+        return self.coll("allgather", nbytes, 2, groups=pairs, wait=False)
 
     def embedding_sync_s(self) -> float:
         """megatron's all-reduce of the tied word embedding's fp32 gradient between the first

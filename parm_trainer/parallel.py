@@ -211,6 +211,12 @@ def recorded_pipeline_stages():
     return _RECORDED.get("stages")
 
 
+def collective_device():
+    """Where a tensor handed to a collective must live: NCCL takes device tensors only (this
+    rank's GPU), gloo on CPU takes host tensors."""
+    return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+
+
 def consecutive_subgroup(size: int):
     """This rank's group of `size` consecutive ranks (size 1: itself; world / PP: its pipeline
     stage, PP being megatron's outermost rank dimension). new_subgroups is collective over the

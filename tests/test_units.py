@@ -620,3 +620,34 @@ print(sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["[]", "True", "function", "True"]
+
+
+# --- the training loop's own collectives: on the device NCCL takes ----------------------------
+
+
+def test_loop_collectives_take_tensors_on_the_collective_device(monkeypatch):
+    """NCCL takes device tensors only: the loss reduction and the memory probe build their
+    tensors where parallel.collective_device() says (the rank's GPU under CUDA). Here it is
+    made to say "meta" and every all-reduce must receive a meta tensor; reading the meta result
+    back afterwards raises, which the test expects."""
+    from megatron.core import parallel_state
+
+    from parm_trainer.training import loop, memory_probe
+
+    seen = []
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: seen.append(t.device.type))
+    monkeypatch.setattr(parallel_state, "is_pipeline_last_stage", lambda: True)
+    monkeypatch.setattr(parallel_state, "get_data_parallel_group", lambda: None)
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_group", lambda: None)
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: 1)
+    for module in (loop, memory_probe):
+        monkeypatch.setattr(module, "collective_device", lambda: torch.device("meta"))
+    with pytest.raises(NotImplementedError):  # .cpu() of the meta result
+        loop._reduce_losses([{"lm loss": torch.tensor([6.0, 3.0])}], ("lm loss",))
+    assert seen == ["meta", "meta"]  # data parallel, then pipeline
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NotImplementedError):
+        memory_probe.report(argparse.Namespace(), [model], optimizer, 1024)
+    assert seen == ["meta"] * 3

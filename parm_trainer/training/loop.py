@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe import moe_utils
 
 from parm_trainer.models.config import num_moe_layers, transformer_config
-from parm_trainer.parallel import destroy_distributed
+from parm_trainer.parallel import collective_device, destroy_distributed
 from parm_trainer.training import async_save, checkpointing, faults, memory, memory_probe, watchdog
 from parm_trainer.training import timers as run_timers
 from parm_trainer.training.data import cycle, micro_batch_iterator
@@ -44,15 +44,16 @@ def _reduce_losses(losses: list, names: tuple) -> dict:
 
     Only the last pipeline stage has losses; the result is broadcast to every rank so that all
     of them see the same value (and the same NaN check)."""
-    total = torch.zeros(len(names), 2, dtype=torch.float64)
+    total = torch.zeros(len(names), 2, dtype=torch.float64, device=collective_device())
     for item in losses:
         for row, name in enumerate(names):
             if name in item:
-                total[row] += item[name].detach().double().cpu()
+                total[row] += item[name].detach().double().to(total.device)
     if parallel_state.is_pipeline_last_stage():
         torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
     # Other stages hold zeros: a sum over the pipeline gives every rank the last stage's value.
     torch.distributed.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+    total = total.cpu()
     return {name: (total[row, 0] / total[row, 1]).item() if total[row, 1] > 0 else float("nan")
             for row, name in enumerate(names)}
 

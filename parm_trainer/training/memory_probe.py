@@ -17,6 +17,7 @@ import weakref
 
 import torch
 
+from parm_trainer.parallel import collective_device
 from parm_trainer.planning.memory_estimate import MIB
 
 
@@ -102,9 +103,10 @@ def report(args, model, optimizer, activation_peak: int) -> list:
     weights, optim = state_bytes(model, optimizer)
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     rank = parallel_state.get_pipeline_model_parallel_rank()
-    table = torch.zeros(pp, 3, dtype=torch.float64)
+    table = torch.zeros(pp, 3, dtype=torch.float64, device=collective_device())
     table[rank] = torch.tensor([weights, optim, activation_peak], dtype=torch.float64)
     torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.MAX)
+    table = table.cpu()
     estimate = getattr(args, "memory_estimate", None)
     lines = ["memory probe (measured at the first iteration, max over each stage's ranks):"]
     for r in range(pp):

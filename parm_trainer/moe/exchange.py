@@ -9,8 +9,12 @@ k times and its k outputs sent back. This one sends what the routing needs and n
 2. per piece of the tokens (the layer's chunks; contiguous spans) and EP rank d: the tokens
    that go to any of d's local experts, once each, with their L = E / EP local weights as L
    extra columns (one row of M + L values per token and destination).
-3. counts first: one AllGather of every rank's send counts over the EP x ESP group (the only
-   per-call agreement; dropless needs no capacity, so no all-reduce across the stage).
+3. counts first: one AllGather over the EP x ESP group of every rank's rows per EP rank and
+   (token, expert) pairs per expert, per piece (the only per-call agreement; dropless needs no
+   capacity, so no all-reduce across the stage). It is also the only value read back to the
+   host: every later count (rows to send, each local expert's rows, the relay's forwarding)
+   is known from it, so the indices are taken with torch.nonzero_static and a GPU never
+   waits for the host in between.
 4. per piece: AlltoAll-v (EP) of exact counts, ESP-AllGather-v, each local expert on its rows
    (a row is expanded to the experts its mask names), the outputs summed per row with their
    weights, ESP-ReduceScatter-v, AlltoAll-v back: one row per token and EP rank.
@@ -66,65 +70,96 @@ def route(tokens, probs, keep) -> Routed:
 class _Piece:
     offset: int
     size: int
-    token: torch.Tensor  # (rows,) token of each row sent, rows ordered by destination
-    weights: torch.Tensor  # (rows, L or R L) the destination's local weights of that token
-    per_rank: torch.Tensor  # (EP,) tokens that go to each EP rank
-    send: list           # rows to each destination of the first hop (EP ranks, or nodes)
+    send: list = None    # rows to each destination of the first hop (EP ranks, or nodes)
     recv: list = None    # rows from each of them
     esp: list = None     # rows each ESP rank receives (the ESP AllGather's counts)
+    experts: list = None  # (row, expert) pairs of each local expert once the ESP gather is in
     fwd_send: list = None  # relayed: rows forwarded to each EP rank of this node
     fwd_recv: list = None  # relayed: rows forwarded to this rank by each EP rank of its node
+    token: torch.Tensor = None  # (rows,) token of each row sent, rows ordered by destination
+    weights: torch.Tensor = None  # (rows, L or R L) the destination's local weights of it
 
 
-def _pieces(routed: Routed, ep: int, chunks: int, relay) -> list:
-    """The pieces' rows: to each EP rank its tokens, or relayed (relay: node_relay.NodeRelay)
-    to each node its tokens, with the weights of every expert on that node."""
+@dataclass
+class _Masks:
+    """Where each token goes: to EP ranks (goes), to first-hop destinations (hop_goes: EP
+    ranks, or nodes where relayed) with their weights (hop), and to experts (kept)."""
+    goes: torch.Tensor      # (n, EP)
+    hop_goes: torch.Tensor  # (n, EP or N)
+    hop: torch.Tensor       # (n, EP or N, L or R L)
+    kept: torch.Tensor      # (n, E)
+
+
+def _masks(routed: Routed, ep: int, relay) -> _Masks:
     n, experts = routed.weights.shape
+    kept = routed.weights >= 0
     local = routed.weights.view(n, ep, experts // ep)
-    goes = (local >= 0).any(dim=-1)  # (n, EP): the token goes to some expert of that rank
-    hop = local if relay is None else routed.weights.view(n, relay.nodes, -1)
-    hop_goes = goes if relay is None else goes.view(n, relay.nodes, -1).any(dim=-1)
-    pieces = []
-    for offset, size in comm.chunk_spans(n, chunks):
-        dest, token = hop_goes.narrow(0, offset, size).t().nonzero(as_tuple=True)
-        send = torch.bincount(dest, minlength=hop.shape[1])
-        per_rank = send if relay is None else goes.narrow(0, offset, size).sum(dim=0)
-        pieces.append(_Piece(offset, size, token + offset, hop[token + offset, dest], per_rank,
-                             send))
-    return pieces
+    goes = kept.view(n, ep, -1).any(dim=-1)
+    if relay is None:
+        return _Masks(goes, goes, local, kept)
+    return _Masks(goes, goes.view(n, relay.nodes, -1).any(dim=-1),
+                  routed.weights.view(n, relay.nodes, -1), kept)
 
 
-def _agree_counts(pieces: list, ep: int, esp: int, me_ep: int, me_esp: int, relay) -> None:
-    """Fill each piece's receive counts (and, relayed, its in-node forwarding counts) from one
-    AllGather over the EP x ESP group of every rank's rows per EP rank (and per node), each
-    row tagged with its sender's EP and ESP ranks."""
-    per_rank = torch.stack([p.per_rank for p in pieces]).to(torch.int64)  # (P, EP)
-    per_hop = torch.stack([p.send for p in pieces]).to(torch.int64)  # (P, EP or N)
-    hops = per_hop.shape[1]
-    parts = [torch.tensor([me_ep, me_esp], dtype=torch.int64, device=per_rank.device),
-             per_rank.view(-1)] + ([per_hop.view(-1)] if relay is not None else [])
-    local = torch.cat(parts)  # NCCL gathers device tensors only
-    rows = cu.gather_counts(local, parallel_state.get_expert_tensor_and_model_parallel_group())
-    rows, per_hop = rows.cpu(), per_hop.cpu()
-    count = len(pieces)
-    table = torch.zeros(ep, esp, count, ep, dtype=torch.int64)  # sender's rows per EP rank
-    table[rows[:, 0], rows[:, 1]] = rows[:, 2:2 + count * ep].view(-1, count, ep)
-    into_me = table[..., me_ep]  # (EP sender, ESP rank, P): rows for EP rank me_ep
+def _agree_counts(pieces: list, masks: _Masks, ep: int, esp: int, me_ep: int, me_esp: int,
+                  relay) -> None:
+    """Fill each piece's counts from one AllGather over the EP x ESP group of every rank's rows
+    per EP rank, (token, expert) pairs per expert (and, relayed, rows per node) of each piece,
+    tagged with its sender's EP and ESP ranks: this rank's own send counts, what it receives,
+    what each local expert computes, and the relay's in-node forwarding. The gathered table is
+    the only thing read back to the host."""
+    def per_piece(mask):  # (P, columns): each piece's tokens per column of mask
+        return torch.stack([mask.narrow(0, p.offset, p.size).sum(dim=0) for p in pieces])
+
+    count, experts = len(pieces), masks.kept.shape[1]
+    parts = [per_piece(masks.goes), per_piece(masks.kept)]
     if relay is not None:
+        parts.append(per_piece(masks.hop_goes))
+    me = torch.tensor([me_ep, me_esp], dtype=torch.int64, device=masks.goes.device)
+    local = torch.cat([me] + [part.to(torch.int64).view(-1) for part in parts])
+    rows = cu.gather_counts(local, parallel_state.get_expert_tensor_and_model_parallel_group())
+    rows = rows.cpu()
+    cut = [2, 2 + count * ep, 2 + count * (ep + experts)]
+    table = torch.zeros(ep, esp, count, ep, dtype=torch.int64)  # sender's rows per EP rank
+    table[rows[:, 0], rows[:, 1]] = rows[:, cut[0]:cut[1]].view(-1, count, ep)
+    pairs = torch.zeros(ep, esp, count, experts, dtype=torch.int64)  # and pairs per expert
+    pairs[rows[:, 0], rows[:, 1]] = rows[:, cut[1]:cut[2]].view(-1, count, experts)
+    into_me = table[..., me_ep]  # (EP sender, ESP rank, P): rows for EP rank me_ep
+    width = experts // ep
+    mine = pairs[..., me_ep * width:(me_ep + 1) * width].sum(dim=(0, 1))  # (P, L)
+    if relay is not None:
+        hops = masks.hop_goes.shape[1]
         by_node = torch.zeros(ep, esp, count, hops, dtype=torch.int64)  # sender's rows per node
-        by_node[rows[:, 0], rows[:, 1]] = rows[:, 2 + count * ep:].view(-1, count, hops)
+        by_node[rows[:, 0], rows[:, 1]] = rows[:, cut[2]:].view(-1, count, hops)
         per, node, pos = relay.per_node, relay.node, relay.position
         at = lambda position: [a * per + position for a in range(relay.nodes)]  # noqa: E731
-        mine = table[at(pos), me_esp]  # (N senders at my position, P, EP)
+        relayed = table[at(pos), me_esp]  # (N senders at my position, P, EP)
     for i, piece in enumerate(pieces):
-        piece.send = per_hop[i].tolist()
         piece.esp = into_me[:, :, i].sum(dim=0).tolist()
+        piece.experts = mine[i].tolist()
         if relay is None:
+            piece.send = table[me_ep, me_esp, i].tolist()
             piece.recv = into_me[:, me_esp, i].tolist()
             continue
+        piece.send = by_node[me_ep, me_esp, i].tolist()
         piece.recv = by_node[at(pos), me_esp, i, node].tolist()
-        piece.fwd_send = mine[:, i, node * per:(node + 1) * per].sum(dim=0).tolist()
+        piece.fwd_send = relayed[:, i, node * per:(node + 1) * per].sum(dim=0).tolist()
         piece.fwd_recv = [int(into_me[at(j), me_esp, i].sum()) for j in range(per)]
+
+
+def _nonzero(mask, count: int):
+    """The (row, column) indices of mask's True entries in row-major order, whose number
+    (`count`) the host already knows: no read-back to the host (torch.nonzero waits for one)."""
+    return torch.nonzero_static(mask, size=count).unbind(dim=1)
+
+
+def _rows(piece: _Piece, masks: _Masks) -> None:
+    """The piece's rows to send: to each first-hop destination its tokens, once each, with that
+    destination's weights."""
+    goes = masks.hop_goes.narrow(0, piece.offset, piece.size).t()
+    dest, token = _nonzero(goes, sum(piece.send))
+    piece.token = token + piece.offset
+    piece.weights = masks.hop[piece.token, dest]
 
 
 def _forward_in_node(rows, piece, relay, hidden):
@@ -132,7 +167,7 @@ def _forward_in_node(rows, piece, relay, hidden):
     of this node whose experts it names, with that rank's L weights. Returns the rows this
     rank receives and, to sum the outputs back, the row each forwarded one came from."""
     weights = rows[:, hidden:].view(rows.shape[0], relay.per_node, -1)
-    rank, row = (weights >= 0).any(dim=-1).t().nonzero(as_tuple=True)
+    rank, row = _nonzero((weights >= 0).any(dim=-1).t(), sum(piece.fwd_send))
     payload = torch.cat([rows[row, :hidden], weights[row, rank]], dim=-1)
     counts = cu.counts_of("alltoall", relay.position, send=piece.fwd_send,
                           recv=piece.fwd_recv)
@@ -146,15 +181,14 @@ def _back_in_node(out, row, received: int, piece, relay):
     return back.new_zeros(received, back.shape[1]).index_add(0, row, back)
 
 
-def _experts_on_rows(layer, rows, hidden):
-    """rows (T, M + L): each row's tokens through the local experts its weights name, summed
-    with those weights -> (T, M), partial sums over ESP."""
+def _experts_on_rows(layer, rows, hidden, counts: list):
+    """rows (T, M + L): each row's tokens through the local experts its weights name (counts:
+    the rows of each, known on the host), summed with those weights -> (T, M), partial sums
+    over ESP."""
     x, w = rows[:, :hidden], rows[:, hidden:]
-    mask = w >= 0
-    expert, row = mask.t().nonzero(as_tuple=True)  # grouped by expert
-    counts = mask.sum(dim=0)
-    out, _ = layer.experts(x[row], counts, torch.ones(row.numel(), dtype=x.dtype,
-                                                     device=x.device))
+    expert, row = _nonzero((w >= 0).t(), sum(counts))  # grouped by expert
+    out, _ = layer.experts(x[row], torch.tensor(counts, dtype=torch.int64),
+                           torch.ones(row.numel(), dtype=x.dtype, device=x.device))
     weighted = out * w[row, expert].unsqueeze(-1)
     return x.new_zeros(x.shape[0], hidden).index_add(0, row, weighted)
 
@@ -168,10 +202,13 @@ def exchange(layer, routed: Routed, gather_mp: bool):
     me_esp = parallel_state.get_expert_tensor_parallel_rank()
     tokens, hidden = routed.tokens, routed.tokens.shape[1]
     relay = layer.relay
-    pieces = _pieces(routed, ep, layer.chunks, relay)
+    pieces = [_Piece(*span) for span in comm.chunk_spans(tokens.shape[0], layer.chunks)]
     if not pieces:
         return tokens.new_zeros(tokens.shape[0] * (layer.mp_size if gather_mp else 1), hidden)
-    _agree_counts(pieces, ep, esp, me_ep, me_esp, relay)
+    masks = _masks(routed, ep, relay)
+    _agree_counts(pieces, masks, ep, esp, me_ep, me_esp, relay)
+    for p in pieces:
+        _rows(p, masks)
     link, me_link, name = ((ep_group, me_ep, "ep") if relay is None
                            else (relay.inter, relay.node, "ep_link"))
     outbound = []
@@ -186,7 +223,7 @@ def exchange(layer, routed: Routed, gather_mp: bool):
             received = rows.shape[0]
             rows, came_from = _forward_in_node(rows, p, relay, hidden)
         rows = cu.run(rows, cu.counts_of("allgather", me_esp, counts=p.esp), esp_group, "esp")
-        out = _experts_on_rows(layer, rows, hidden)
+        out = _experts_on_rows(layer, rows, hidden, p.experts)
         out = cu.run(out, cu.counts_of("reducescatter", me_esp, counts=p.esp), esp_group, "esp")
         if relay is not None:
             out = _back_in_node(out, came_from, received, p, relay)

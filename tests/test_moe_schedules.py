@@ -174,6 +174,28 @@ def test_tune_cache_survives_a_corrupt_file(tmp_path):
     assert not list(path.parent.glob("*.tmp*"))
 
 
+def test_tune_times_the_candidates_in_interleaved_rounds():
+    """A slow stretch of the machine (here the first 9 passes, 4 x slower) must not decide the
+    choice: the candidates' true times are 3, 2, 4 and 5 ms; timed one candidate after the other
+    (a warm-up and 3 passes each), a and b would have looked like 12 and 8 ms and c would have
+    been taken; interleaved, each median is its true time. Every candidate gets its warm-up
+    before any is timed, and each round starts one further."""
+    from parm_trainer.moe.tune import interleaved_medians
+
+    true = {"a": 3e-3, "b": 2e-3, "c": 4e-3, "d": 5e-3}
+    calls = []
+
+    def run(candidate):
+        calls.append(candidate)
+        return true[candidate] * (4 if len(calls) <= 9 else 1)
+
+    medians = interleaved_medians(list(true), run, warmup=1, rounds=5)
+    assert medians == [3e-3, 2e-3, 4e-3, 5e-3]
+    assert calls[:4] == ["a", "b", "c", "d"]  # the warm-ups
+    assert calls[4:8] == ["a", "b", "c", "d"] and calls[8:12] == ["b", "c", "d", "a"]
+    assert len(calls) == 4 + 5 * 4
+
+
 def test_tune_cache_path(monkeypatch):
     from types import SimpleNamespace
 

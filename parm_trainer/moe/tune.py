@@ -3,8 +3,9 @@
 The default run (no Parm flag) is auto with the pipeline depth chosen too. Given a profile
 (--moe-parm-cost-profile), the cost model chooses (auto.py). Without one, every rank builds
 this job's MoE layer under each candidate (s1 and s2, or the schedule given, at depths 1, 2
-and 4, or the depth given; those the layout admits), times a few forward + backward passes on
-random tokens of the real shape on the real process groups, and takes the fastest (the max over ranks of the median, so every
+and 4, or the depth given; those the layout admits), times forward + backward passes on random
+tokens of the real shape on the real process groups, in rounds that take every candidate in
+turn (interleaved_medians), and takes the fastest (the max over ranks of the median, so every
 rank makes the same choice). That takes seconds. The result is cached in a JSON file
 (--moe-parm-tune-cache, default $PARM_TRAINER_CACHE_DIR or ~/.cache/parm_trainer, file
 moe_tune.json) under a key naming the cluster (world size, ranks per node, backend, device,
@@ -26,7 +27,7 @@ import torch
 
 from parm_trainer.moe import node_relay
 
-WARMUP, TIMED = 1, 3
+WARMUP, ROUNDS = 1, 5
 
 
 def cache_path(args) -> str | None:
@@ -57,7 +58,8 @@ def _key(args, candidates) -> str:
                   args.moe_ffn_hidden_size, args.num_experts, args.moe_router_topk,
                   args.moe_expert_capacity_factor, bool(args.moe_router_pre_softmax),
                   "bf16" if args.bf16 else "fp32"],
-        "exchange": args.moe_parm_exchange, "candidates": [list(c) for c in candidates]},
+        "exchange": args.moe_parm_exchange, "candidates": [list(c) for c in candidates],
+        "timing": f"interleaved {WARMUP}+{ROUNDS}"},  # entries timed otherwise are re-measured
         sort_keys=True)
 
 
@@ -93,38 +95,37 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def _time_candidate(args, config, name, chunks) -> float:
-    """Median seconds of TIMED forward + backward passes of the layer, max over ranks."""
+def interleaved_medians(candidates: list, run, warmup: int = WARMUP,
+                        rounds: int = ROUNDS) -> list:
+    """Each candidate's median of `rounds` timed runs (run(candidate) -> seconds), after
+    `warmup` untimed runs of every candidate. Each round times every candidate once, starting
+    one further along each round, so that a slow stretch of the machine (or the first use of a
+    process group) touches the candidates alike instead of falling on all of one's passes."""
+    for candidate in candidates:
+        for _ in range(warmup):
+            run(candidate)
+    times = {candidate: [] for candidate in candidates}
+    for k in range(rounds):
+        shift = k % len(candidates)
+        for candidate in candidates[shift:] + candidates[:shift]:
+            times[candidate].append(run(candidate))
+    return [statistics.median(times[candidate]) for candidate in candidates]
+
+
+def _build(args, config, name, device):
+    """The job's MoE layer under schedule `name` (its depth is set per pass)."""
     from parm_trainer.models.gpt import moe_module_spec
     from parm_trainer.moe.layer import ParmMoELayer
 
-    spec = moe_module_spec(args)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
-    layer = ParmMoELayer(config, spec.submodules, layer_number=1, schedule=name, chunks=chunks,
-                         exchange=args.moe_parm_exchange).to(device)
-    seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    gen = torch.Generator().manual_seed(1234 + torch.distributed.get_rank())
-    x = torch.randn(seq, args.micro_batch_size, args.hidden_size, generator=gen).to(device, dtype)
-    if args.bf16:
-        layer = layer.to(dtype)
-    times = []
-    for i in range(WARMUP + TIMED):
-        x_i = x.detach().requires_grad_()
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        out, _ = layer(x_i)
-        out.backward(torch.ones_like(out))
-        _sync()
-        if i >= WARMUP:
-            times.append(time.perf_counter() - start)
-    seconds = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
-    return float(seconds.item())
+    layer = ParmMoELayer(config, moe_module_spec(args).submodules, layer_number=1,
+                         schedule=name, chunks=1, exchange=args.moe_parm_exchange).to(device)
+    return layer.to(torch.bfloat16) if args.bf16 else layer
 
 
 def _measure(args, candidates) -> dict:
+    """Seconds of one forward + backward of the layer per candidate: the median of ROUNDS
+    interleaved passes on random tokens of the real shape on the real process groups, max
+    over ranks (so every rank makes the same choice)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
@@ -135,8 +136,33 @@ def _measure(args, candidates) -> dict:
     scale = MoEAuxLossAutoScaler.main_loss_backward_scale
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     model_parallel_cuda_manual_seed(args.seed)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    # one layer per schedule (the depth is a plain attribute), so at most two sets of weights
+    layers = {name: _build(args, config, name, device) for name in dict.fromkeys(
+        name for name, _ in candidates)}
+    seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
+    gen = torch.Generator().manual_seed(1234 + torch.distributed.get_rank())
+    x = torch.randn(seq, args.micro_batch_size, args.hidden_size, generator=gen).to(
+        device, torch.bfloat16 if args.bf16 else torch.float32)
+
+    def run(candidate) -> float:
+        name, chunks = candidate
+        layer = layers[name]
+        layer.chunks = chunks
+        x_i = x.detach().requires_grad_()
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        out, _ = layer(x_i)
+        out.backward(torch.ones_like(out))
+        _sync()
+        return time.perf_counter() - start
+
     try:
-        return {(name, r): _time_candidate(args, config, name, r) for name, r in candidates}
+        medians = interleaved_medians(list(candidates), run)
+        seconds = torch.tensor(medians, dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
+        return dict(zip(candidates, seconds.tolist()))
     finally:
         moe_utils.clear_aux_losses_tracker()
         MoEAuxLossAutoScaler.main_loss_backward_scale = scale

@@ -20,7 +20,7 @@ import os
 import torch
 
 from parm_trainer.arguments import model_argument_names, parse_args
-from parm_trainer.parallel import collective_device
+from parm_trainer.parallel import rank_device
 from parm_trainer.training import checkpoint_files as files
 
 
@@ -104,7 +104,7 @@ def generate(model, prompt_ids: list, own, vocab_size: int, eod: int, args) -> l
         length = -(-len(ids) // tp) * tp  # right padding: causal attention never sees it
         tokens = torch.tensor([ids + [eod] * (length - len(ids))])
         output = _stage_forward(model, tokens, args.hidden_size)
-        token = torch.zeros(1, dtype=torch.long, device=collective_device())
+        token = torch.zeros(1, dtype=torch.long, device=rank_device())
         if ps.is_pipeline_last_stage():
             logits = gather_from_tensor_model_parallel_region(output)
             last = logits[0, len(ids) - 1, :vocab_size].float()

@@ -211,9 +211,9 @@ def recorded_pipeline_stages():
     return _RECORDED.get("stages")
 
 
-def collective_device():
-    """Where a tensor handed to a collective must live: NCCL takes device tensors only (this
-    rank's GPU), gloo on CPU takes host tensors."""
+def rank_device():
+    """This rank's device: its GPU under CUDA, else the CPU. Tensors handed to collectives
+    live there (NCCL takes device tensors only, gloo on CPU host tensors)."""
     return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
 
 

@@ -625,9 +625,9 @@ print(sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules
 # --- the training loop's own collectives: on the device NCCL takes ----------------------------
 
 
-def test_loop_collectives_take_tensors_on_the_collective_device(monkeypatch):
+def test_loop_collectives_take_tensors_on_the_rank_device(monkeypatch):
     """NCCL takes device tensors only: the loss reduction and the memory probe build their
-    tensors where parallel.collective_device() says (the rank's GPU under CUDA). Here it is
+    tensors where parallel.rank_device() says (the rank's GPU under CUDA). Here it is
     made to say "meta" and every all-reduce must receive a meta tensor; reading the meta result
     back afterwards raises, which the test expects."""
     from megatron.core import parallel_state
@@ -642,7 +642,7 @@ def test_loop_collectives_take_tensors_on_the_collective_device(monkeypatch):
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: 2)
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: 1)
     for module in (loop, memory_probe):
-        monkeypatch.setattr(module, "collective_device", lambda: torch.device("meta"))
+        monkeypatch.setattr(module, "rank_device", lambda: torch.device("meta"))
     with pytest.raises(NotImplementedError):  # .cpu() of the meta result
         loop._reduce_losses([{"lm loss": torch.tensor([6.0, 3.0])}], ("lm loss",))
     assert seen == ["meta", "meta"]  # data parallel, then pipeline

@@ -13,12 +13,13 @@ import sys
 
 import torch
 
+from parm_trainer.parallel import rank_device
+
 _CURRENT_LAYOUT = [None]
 
 
 def device():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
+    return torch.device(rank_device())
 
 
 def sync():

@@ -26,6 +26,7 @@ import time
 import torch
 
 from parm_trainer.moe import node_relay
+from parm_trainer.parallel import rank_device
 
 WARMUP, ROUNDS = 1, 5
 
@@ -136,8 +137,7 @@ def _measure(args, candidates) -> dict:
     scale = MoEAuxLossAutoScaler.main_loss_backward_scale
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     model_parallel_cuda_manual_seed(args.seed)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
+    device = torch.device(rank_device())
     # one layer per schedule (the depth is a plain attribute), so at most two sets of weights
     layers = {name: _build(args, config, name, device) for name in dict.fromkeys(
         name for name, _ in candidates)}

@@ -13,6 +13,8 @@ from typing import Iterator, Optional
 import torch
 from megatron.core import parallel_state
 
+from parm_trainer.parallel import rank_device
+
 
 class PretrainingSampler:
     """Yields lists of sample indices, one micro-batch for this data-parallel rank at a time."""
@@ -51,7 +53,7 @@ def micro_batch_iterator(dataset, consumed_samples: int, micro_batch_size: int,
 
 def batch_to_device(batch: dict, *keys: str) -> tuple:
     """The named tensors of a micro-batch, on this rank's device (the GPU, or the CPU)."""
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    device = rank_device()
     return tuple(batch[key].to(device, non_blocking=True) for key in keys)
 
 

@@ -23,6 +23,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.router import TopKRouter
 
+from parm_trainer.parallel import rank_device
+
 
 def _routers(model_chunks):
     for chunk in model_chunks:
@@ -65,7 +67,7 @@ class ExpertTokenCounter:
     def collect(self) -> torch.Tensor:
         """Counts since the last collect, summed over ranks: (num_layers, E), row i = layer i+1
         (rows of dense layers stay zero). Collective: every rank must call it."""
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        device = rank_device()
         table = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64, device=device)
         for layer, counts in self.counts.items():
             table[layer - 1] += counts.to(device).double() / self._replication()

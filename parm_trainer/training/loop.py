@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe import moe_utils
 
 from parm_trainer.models.config import num_moe_layers, transformer_config
-from parm_trainer.parallel import collective_device, destroy_distributed
+from parm_trainer.parallel import destroy_distributed, rank_device
 from parm_trainer.training import async_save, checkpointing, faults, memory, memory_probe, watchdog
 from parm_trainer.training import timers as run_timers
 from parm_trainer.training.data import cycle, micro_batch_iterator
@@ -44,7 +44,7 @@ def _reduce_losses(losses: list, names: tuple) -> dict:
 
     Only the last pipeline stage has losses; the result is broadcast to every rank so that all
     of them see the same value (and the same NaN check)."""
-    total = torch.zeros(len(names), 2, dtype=torch.float64, device=collective_device())
+    total = torch.zeros(len(names), 2, dtype=torch.float64, device=rank_device())
     for item in losses:
         for row, name in enumerate(names):
             if name in item:
@@ -75,7 +75,7 @@ def _moe_loss_names() -> list:
 def _moe_losses(num_microbatches: int, moe_layers: int, names: list, num_layers: int) -> dict:
     """Mean over MoE layers of megatron's tracked router losses (unscaled by their coeffs)."""
     tracker = moe_utils.get_moe_layer_wise_logging_tracker()
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    device = rank_device()
     for name in names:  # this stage's share of a loss only other stages' layers have: zeros
         tracker.setdefault(name, {"values": torch.zeros(num_layers, device=device)})
     if not names:

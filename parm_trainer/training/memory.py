@@ -11,6 +11,8 @@ import sys
 
 import torch
 
+from parm_trainer.parallel import rank_device
+
 KIND = "allocated" if torch.cuda.is_available() else "rss"
 
 
@@ -23,7 +25,7 @@ def local_peak_bytes() -> int:
 
 def peak_mib() -> float:
     """This run's peak so far, max over all ranks (every rank calls it)."""
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    device = rank_device()
     peak = torch.tensor([float(local_peak_bytes())], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
     return peak.item() / 2**20

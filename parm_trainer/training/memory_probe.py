@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-from parm_trainer.parallel import collective_device
+from parm_trainer.parallel import rank_device
 from parm_trainer.planning.memory_estimate import MIB
 
 
@@ -103,7 +103,7 @@ def report(args, model, optimizer, activation_peak: int) -> list:
     weights, optim = state_bytes(model, optimizer)
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     rank = parallel_state.get_pipeline_model_parallel_rank()
-    table = torch.zeros(pp, 3, dtype=torch.float64, device=collective_device())
+    table = torch.zeros(pp, 3, dtype=torch.float64, device=rank_device())
     table[rank] = torch.tensor([weights, optim, activation_peak], dtype=torch.float64)
     torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.MAX)
     table = table.cpu()

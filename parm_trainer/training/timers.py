@@ -20,6 +20,7 @@ import torch
 from megatron.core.timers import Timers
 
 from parm_trainer.moe import step_timing
+from parm_trainer.parallel import rank_device
 
 # Megatron-LM's training_log order; the names megatron-core 0.16 times at levels 1 and 2
 NAMES = ("forward-backward", "forward-compute", "backward-compute", "batch-generator",
@@ -84,7 +85,7 @@ def interval_report(timers, iterations: int) -> dict:
         extra = sorted({name for names_of in everyone for name in names_of})
         names += extra
         local += [moe.get(name, 0.0) for name in extra]
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    device = rank_device()
     mine = torch.tensor(local, dtype=torch.float64, device=device)
     rows = [torch.empty_like(mine) for _ in range(world)]
     torch.distributed.all_gather(rows, mine)

@@ -147,6 +147,15 @@ def _agree_counts(pieces: list, masks: _Masks, ep: int, esp: int, me_ep: int, me
         piece.fwd_recv = [int(into_me[at(j), me_esp, i].sum()) for j in range(per)]
 
 
+def _at(x, first, second=None):
+    """x[first] (or x[first, second]) by index_select, whose backward adds each row back in
+    place (index_add); advanced indexing's backward is an accumulating index_put, which sorts
+    its indices (several times slower on CPU)."""
+    if second is None:
+        return x.index_select(0, first)
+    return x.reshape(-1, *x.shape[2:]).index_select(0, first * x.shape[1] + second)
+
+
 def _nonzero(mask, count: int):
     """The (row, column) indices of mask's True entries in row-major order, whose number
     (`count`) the host already knows: no read-back to the host (torch.nonzero waits for one)."""
@@ -159,7 +168,7 @@ def _rows(piece: _Piece, masks: _Masks) -> None:
     goes = masks.hop_goes.narrow(0, piece.offset, piece.size).t()
     dest, token = _nonzero(goes, sum(piece.send))
     piece.token = token + piece.offset
-    piece.weights = masks.hop[piece.token, dest]
+    piece.weights = _at(masks.hop, piece.token, dest)
 
 
 def _forward_in_node(rows, piece, relay, hidden):
@@ -168,7 +177,8 @@ def _forward_in_node(rows, piece, relay, hidden):
     rank receives and, to sum the outputs back, the row each forwarded one came from."""
     weights = rows[:, hidden:].view(rows.shape[0], relay.per_node, -1)
     rank, row = _nonzero((weights >= 0).any(dim=-1).t(), sum(piece.fwd_send))
-    payload = torch.cat([rows[row, :hidden], weights[row, rank]], dim=-1)
+    payload = torch.cat([_at(rows.narrow(1, 0, hidden), row), _at(weights, row, rank)],
+                        dim=-1)
     counts = cu.counts_of("alltoall", relay.position, send=piece.fwd_send,
                           recv=piece.fwd_recv)
     return cu.run(payload, counts, relay.intra, "ep_node"), row
@@ -184,13 +194,14 @@ def _back_in_node(out, row, received: int, piece, relay):
 def _experts_on_rows(layer, rows, hidden, counts: list):
     """rows (T, M + L): each row's tokens through the local experts its weights name (counts:
     the rows of each, known on the host), summed with those weights -> (T, M), partial sums
-    over ESP."""
-    x, w = rows[:, :hidden], rows[:, hidden:]
+    over ESP. The weights go to the experts as megatron's dispatchers pass the routing
+    probabilities (applied to the activation, and to fc2's bias): p * expert(x), in one
+    multiply the experts do anyway."""
+    x, w = rows.narrow(1, 0, hidden), rows.narrow(1, hidden, rows.shape[1] - hidden)
     expert, row = _nonzero((w >= 0).t(), sum(counts))  # grouped by expert
-    out, _ = layer.experts(x[row], torch.tensor(counts, dtype=torch.int64),
-                           torch.ones(row.numel(), dtype=x.dtype, device=x.device))
-    weighted = out * w[row, expert].unsqueeze(-1)
-    return x.new_zeros(x.shape[0], hidden).index_add(0, row, weighted)
+    out, _ = layer.experts(_at(x, row), torch.tensor(counts, dtype=torch.int64),
+                           _at(w, row, expert))
+    return x.new_zeros(x.shape[0], hidden).index_add(0, row, out)
 
 
 def exchange(layer, routed: Routed, gather_mp: bool):
@@ -213,7 +224,7 @@ def exchange(layer, routed: Routed, gather_mp: bool):
                            else (relay.inter, relay.node, "ep_link"))
     outbound = []
     for p in pieces:
-        payload = torch.cat([tokens[p.token], p.weights.to(tokens.dtype)], dim=-1)
+        payload = torch.cat([_at(tokens, p.token), p.weights.to(tokens.dtype)], dim=-1)
         counts = cu.counts_of("alltoall", me_link, send=p.send, recv=p.recv)
         outbound.append(cu.start(payload, counts, link, name))
     inbound = []

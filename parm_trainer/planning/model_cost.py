@@ -173,8 +173,9 @@ class ModelCost:
         mask per element (attention: the mask and the dropped probabilities); an MLP its fc1
         output and activation output (2 F per row; SwiGLU 5 F: the 2F-wide fc1 output and
         three F-wide products), on n rows (dense) or the expert rows n k ESP / MP of F / ESP
-        (MoE), whose input and weighted output rows are kept too; the router its input and
-        the routing; the output layer its input and the fp32 logits."""
+        (MoE: one F more, the activation before the routing weight scales it, kept for the
+        weight's gradient), whose input rows are kept too; the router its input and the
+        routing; the output layer its input and the fp32 logits."""
         a, e, n, M, T = self.args, self.e, self.n, self.args.hidden_size, self.tp
         b, s, heads = a.micro_batch_size, a.seq_length, a.num_attention_heads
         rms = getattr(a, "normalization", "LayerNorm") == "RMSNorm"
@@ -199,7 +200,7 @@ class ModelCost:
             esp, k = a.expert_tensor_parallel_size, a.moe_router_topk
             rows = n * k * esp / T
             mlp = (n * M * e + n * (a.num_experts * 4 + k * 24 + 20)     # router and routing
-                   + widths * rows * a.moe_ffn_hidden_size / esp * e + 3 * rows * M * e)
+                   + (widths + 1) * rows * a.moe_ffn_hidden_size / esp * e + 2 * rows * M * e)
         return attention + norm + mlp + hidden_drop
 
     def layer(self, moe: bool) -> Piece:

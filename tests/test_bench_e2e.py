@@ -146,3 +146,33 @@ def test_plan_check_picks_and_ranks():
     assert run_agreement(runs) == pytest.approx(-0.5)
     assert run_agreement([[1.0, 1.0], [2.0, 2.0]]) == pytest.approx(1.0)
     assert run_agreement([[1.0], [2.0, 3.0]]) is None  # fewer than 2 repeats of a layout
+
+
+def test_the_benchmarks_demo_model_is_make_demos(tmp_path):
+    """DEMO_MODEL (bench_e2e's and bench_plan's default) trains the model scripts/demo_gpt_moe.sh
+    launches: the demo's launch is read from a stand-in interpreter, and every field that shapes
+    the model, its work or its batch parses the same from both."""
+    import os
+    import subprocess
+
+    from parm_trainer.arguments import parse_args
+
+    python = tmp_path / "python"
+    python.write_text('#!/bin/bash\necho "LAUNCH $*"\nexit 7\n')  # the demo stops at its launch
+    python.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(python), "RUN_DIR": str(tmp_path / "run")}
+    run = subprocess.run(["bash", "scripts/demo_gpt_moe.sh"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    launch = [line for line in run.stdout.splitlines() if line.startswith("LAUNCH")]
+    assert run.returncode == 7 and launch, run.stdout + run.stderr
+    demo_flags = launch[0].split("pretrain_gpt_moe.py ", 1)[1].split()
+    demo = parse_args(demo_flags, world_size=4)
+    bench = parse_args(training_runs.DEMO_MODEL + demo_flags[demo_flags.index(
+        "--tensor-model-parallel-size"):demo_flags.index("--micro-batch-size")], world_size=4)
+    fields = ["num_layers", "hidden_size", "num_attention_heads", "seq_length",
+              "normalization", "swiglu", "position_embedding_type", "hidden_dropout",
+              "attention_dropout", "disable_bias_linear", "num_experts", "moe_router_topk",
+              "moe_ffn_hidden_size", "moe_aux_loss_coeff", "micro_batch_size",
+              "global_batch_size", "tensor_model_parallel_size", "expert_model_parallel_size",
+              "expert_tensor_parallel_size", "sequence_parallel"]
+    assert {f: getattr(bench, f) for f in fields} == {f: getattr(demo, f) for f in fields}

@@ -5,9 +5,9 @@ Rows: a --moe-parm-schedule name; "default" (no Parm flag: auto, the depth chose
 own MoE layer with that token dispatcher); any of them with "@flag=value" or "@flag" appended
 for flags of that row alone ("s1/r1,s1/r1@timing-log-level=2": what the timers cost).
 
-Training speed of pretrain_gpt_moe.py under each MoE schedule, end to end: the demo-sized MoE
-GPT (4 layers, hidden 128, 4 experts, top-2, sequence 128, TP2 x EP2 x ESP2 with sequence
-parallelism on 4 ranks, as `make demo`) on the same data with the same seed, --train-iters
+Training speed of pretrain_gpt_moe.py under each MoE schedule, end to end: `make demo`'s MoE
+GPT (4 layers, hidden 128, Mixtral-shaped: RMSNorm, SwiGLU, RoPE, no dropout; 4 experts, top-2,
+sequence 128, TP2 x EP2 x ESP2 with sequence parallelism on 4 ranks) on the same data with the same seed, --train-iters
 iterations per run. The runs alternate (schedule A, B, C, then A, B, C again, ...) so that a
 change of the machine's speed touches every schedule alike, and each schedule's figure is the
 median over its --runs runs of the mean ms/iter of the logged intervals after the first (the

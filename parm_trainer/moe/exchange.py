@@ -91,12 +91,11 @@ class _Masks:
 
 
 def _masks(routed: Routed, ep: int, relay) -> _Masks:
-    n, experts = routed.weights.shape
+    n = routed.weights.shape[0]
     kept = routed.weights >= 0
-    local = routed.weights.view(n, ep, experts // ep)
     goes = kept.view(n, ep, -1).any(dim=-1)
     if relay is None:
-        return _Masks(goes, goes, local, kept)
+        return _Masks(goes, goes, routed.weights.view(n, ep, -1), kept)
     return _Masks(goes, goes.view(n, relay.nodes, -1).any(dim=-1),
                   routed.weights.view(n, relay.nodes, -1), kept)
 

@@ -13,6 +13,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from parm_trainer.models.init import init_weights_layout_free
+from parm_trainer.training.tied_embedding import (
+    TiedEmbeddingGrad, bucket_size_isolating, tied_word_embedding)
 
 # model_provider(args, config, pre_process, post_process[, vp_stage=i]) -> megatron module;
 # vp_stage is passed under interleaved 1F1B only (as Megatron-LM's get_model does)
@@ -58,18 +60,44 @@ def expert_comm_explicit(module: torch.nn.Module) -> int:
     return changed
 
 
+class DDP(DistributedDataParallel):
+    """megatron-core's DDP; a tied word embedding's lookup gradient is reduced apart, after
+    DDP's own reduction (tied_embedding.py), so that the weight's bucket can go early."""
+
+    tied_embedding = None
+
+    def finish_grad_sync(self, *args, **kwargs):
+        super().finish_grad_sync(*args, **kwargs)
+        if self.tied_embedding is not None:
+            self.tied_embedding.reduce()
+
+    def zero_grad_buffer(self):
+        super().zero_grad_buffer()
+        if self.tied_embedding is not None:
+            self.tied_embedding.kept.clear()  # of a step that did not finish
+
+
+def _bucket_size(args, module) -> int | None:
+    """--ddp-bucket-size, made to give a tied word embedding a bucket of its own when its
+    gradient is reduced during the backward (it is then complete first)."""
+    embedding = tied_word_embedding(module)
+    if embedding is None or not args.overlap_grad_reduce:
+        return args.ddp_bucket_size
+    weight = embedding.weight
+    if args.use_distributed_optimizer:  # megatron-core's own rule isolates it (padded buckets)
+        weight.shared_embedding = True
+        return args.ddp_bucket_size
+    default = max(40_000_000, 1_000_000 * parallel_state.get_data_parallel_world_size())
+    dense = [param for param in module.parameters() if param.requires_grad
+             and getattr(param, "allreduce", True) and param.dtype == weight.dtype]
+    return bucket_size_isolating(dense, weight, args.ddp_bucket_size or default)
+
+
 def build_model(args, config: TransformerConfig, model_provider: ModelProvider) -> list:
     """This pipeline rank's model chunks (one, or V under interleaved 1F1B: chunk i is virtual
     stage i, with the embedding only on rank 0's first and the loss only on the last rank's
     last), weights drawn layout-free, each wrapped in DDP."""
     virtual = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        bucket_size=args.ddp_bucket_size,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        check_for_nan_in_grad=False,  # the loop checks the loss on every rank instead
-    )
     chunks = []
     for stage in range(virtual or 1):
         extra = {"vp_stage": stage} if virtual else {}
@@ -84,9 +112,17 @@ def build_model(args, config: TransformerConfig, model_provider: ModelProvider) 
         expert_comm_explicit(module)
         if torch.cuda.is_available():
             module.cuda(torch.cuda.current_device())
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=args.overlap_grad_reduce,
+            bucket_size=_bucket_size(args, module),
+            use_distributed_optimizer=args.use_distributed_optimizer,
+            check_for_nan_in_grad=False,  # the loop checks the loss on every rank instead
+        )
         # megatron buckets the first chunk's gradients only (Megatron-LM's get_model)
-        model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
-                                        disable_bucketing=stage > 0)
+        model = DDP(config=config, ddp_config=ddp_config, module=module,
+                    disable_bucketing=stage > 0)
+        model.tied_embedding = TiedEmbeddingGrad.attach(model)
         model.broadcast_params()
         chunks.append(model)
     return chunks

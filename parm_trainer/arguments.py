@@ -167,7 +167,9 @@ def _parallel_group(parser):
                    help="Shard optimizer state over data-parallel ranks (ZeRO-1).")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="Reduce gradients over data-parallel ranks in buckets during the "
-                        "backward pass, overlapped with it (megatron-core DDP).")
+                        "backward pass, overlapped with it (megatron-core DDP); a word "
+                        "embedding tied to the output layer on the same stage gets a bucket of "
+                        "its own, reduced from the start of the last micro-batch's backward.")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="Parameters per gradient-reduction bucket (default: megatron-core's, "
                         "max(40M, 1M x data-parallel size)).")

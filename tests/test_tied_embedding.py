@@ -10,7 +10,7 @@ import json
 from conftest import free_port, torchrun
 
 WORKER = r'''
-import argparse, contextlib, json, os, sys, traceback
+import contextlib, faulthandler, json, os, sys, traceback
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -58,8 +58,12 @@ def step(model, vocab, seed):
     model.zero_grad_buffer()
     weight = model.module.embedding.word_embeddings.weight
     seen = []
-    hook = model.module.decoder.register_full_backward_pre_hook(lambda module, grad: seen.append(
-        model.param_to_bucket_group[weight].grad_reduce_handle is not None))
+
+    def state():  # the embedding's reduction launched?
+        return model.param_to_bucket_group[weight].grad_reduce_handle is not None
+
+    hook = model.module.decoder.register_full_backward_pre_hook(
+        lambda module, grad: seen.append(state()))
     generator = torch.Generator().manual_seed(seed * 100 + dist.get_rank() // 2)  # per DP rank
     for micro in range(MICRO):
         tokens = torch.randint(0, vocab, (2, 16), generator=generator)
@@ -70,10 +74,13 @@ def step(model, vocab, seed):
             loss = model(tokens, positions, None, labels=labels).float().mean()
             loss.backward()
     hook.remove()
+    at_end = state()
     model.finish_grad_sync(force_all_reduce=model.force_all_reduce)
-    return seen[-1]
+    return seen[-1], at_end
 
 
+STACKS = open(os.path.join(sys.argv[1], f"stacks{os.environ['RANK']}.txt"), "w")
+faulthandler.dump_traceback_later(100, exit=True, file=STACKS)  # a hang: every thread's stack
 cpu.apply()
 report = {"rank": int(os.environ["RANK"]), "checks": 0, "failures": []}
 try:
@@ -95,7 +102,9 @@ try:
         for seed in (1, 2):
             early = step(ours, vocab, seed), step(theirs, vocab, seed)
             if overlap and seed == 2:  # (megatron launches nothing early in its first step)
-                assert early == (True, False), (case, early)
+                # (when the layers' backward starts, at its end): megatron's launches at the
+                # end, ours before the layers
+                assert early == ((True, True), (False, True)), (case, early)
             mine = dict(ours.module.named_parameters())
             for name, param in theirs.module.named_parameters():
                 if distopt:  # ours reduce-scattered: only this rank's shard is reduced
@@ -126,6 +135,7 @@ with open(os.path.join(sys.argv[1], f"rank{report['rank']}.json"), "w") as f:
     json.dump(report, f)
 if report["failures"]:
     os._exit(1)
+faulthandler.cancel_dump_traceback_later()
 '''
 
 
@@ -134,6 +144,8 @@ def test_tied_embedding_grads_are_megatrons_and_reduced_early(tmp_path):
     script.write_text(WORKER)
     status, output = torchrun(["--nproc-per-node", 4, "--master-port", free_port(), script,
                                tmp_path], timeout=240)
+    stacks = "".join(path.read_text() for path in sorted(tmp_path.glob("stacks*.txt")))
+    assert not stacks, f"a rank hung; its threads:\n{stacks[-8000:]}"
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
     failures = {r["rank"]: [f[-1500:] for f in r["failures"]] for r in reports if r["failures"]}
     assert not failures, json.dumps(failures, indent=1)

@@ -173,6 +173,25 @@ def launch(nproc: int, args: list, tmp_path: Path, timeout: float = 300,
     return Run(status, output, seconds, losses)
 
 
+def run_rank_workers(tmp_path: Path, source: str, nproc: int, timeout: float) -> list:
+    """Run `source` as a script on nproc ranks (argv[1]: tmp_path, where each rank writes
+    rank<R>.json {"rank", "checks", "failures"} and, if it hangs, its threads' stacks to
+    stacks<R>.txt); fail on a hang, on any rank's failures or a non-zero exit; return the
+    reports, by rank."""
+    script = tmp_path / "worker.py"
+    script.write_text(source)
+    status, output = torchrun(["--nproc-per-node", nproc, "--master-port", free_port(), script,
+                               tmp_path], timeout=timeout)
+    stacks = "".join(path.read_text() for path in sorted(tmp_path.glob("stacks*.txt")))
+    assert not stacks, f"a rank hung; its threads:\n{stacks[-8000:]}"
+    reports = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
+    failures = {r["rank"]: [f[-1500:] for f in r["failures"][:5]] for r in reports
+                if r["failures"]}
+    assert not failures, json.dumps(failures, indent=1)
+    assert status == 0, output[-4000:]
+    return reports
+
+
 def max_relative(got, expected) -> float:
     """Largest relative difference between two equally long lists of numbers."""
     return max(abs(x - y) / abs(y) for x, y in zip(got, expected))

@@ -13,11 +13,9 @@ is the comparison throughout.
 
 from __future__ import annotations
 
-import json
-
 import torch
 
-from conftest import free_port, torchrun
+from conftest import run_rank_workers
 from parm_trainer.moe.comm import LEDGER, CommLedger, chunk_spans
 from parm_trainer.moe import comm
 
@@ -207,16 +205,7 @@ dist.destroy_process_group()
 
 
 def test_collectives_on_four_gloo_ranks(tmp_path):
-    script = tmp_path / "moe_comm_worker.py"
-    script.write_text(WORKER)
-    status, output = torchrun(["--nproc-per-node", 4, "--master-port", free_port(), script,
-                               tmp_path], timeout=180)
-    stacks = "".join(path.read_text() for path in sorted(tmp_path.glob("stacks*.txt")))
-    assert not stacks, f"a rank hung; its threads:\n{stacks[-6000:]}"
-    reports = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
-    failures = {r["rank"]: [f[-700:] for f in r["failures"][:5]] for r in reports if r["failures"]}
-    assert not failures, json.dumps(failures, indent=1)
-    assert status == 0, output[-4000:]
+    reports = run_rank_workers(tmp_path, WORKER, 4, timeout=180)
     # start/finish: 4 partitions x 4 kinds x 3 checks; 5 op partitions x 13 op cases x 4 checks
     assert [r["checks"] for r in reports] == [4 * 4 * 3 + 5 * 13 * 4] * 4
 

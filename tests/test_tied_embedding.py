@@ -5,9 +5,7 @@ DistributedDataParallel around the same weights and inputs; and with --overlap-g
 embedding's reduction is under way before the backward enters the transformer layers (with
 megatron's DDP it is not), in a bucket of its own, under both optimizers' bucketing."""
 
-import json
-
-from conftest import free_port, torchrun
+from conftest import run_rank_workers
 
 WORKER = r'''
 import contextlib, faulthandler, json, os, sys, traceback
@@ -140,15 +138,6 @@ faulthandler.cancel_dump_traceback_later()
 
 
 def test_tied_embedding_grads_are_megatrons_and_reduced_early(tmp_path):
-    script = tmp_path / "tied_embedding_worker.py"
-    script.write_text(WORKER)
-    status, output = torchrun(["--nproc-per-node", 4, "--master-port", free_port(), script,
-                               tmp_path], timeout=240)
-    stacks = "".join(path.read_text() for path in sorted(tmp_path.glob("stacks*.txt")))
-    assert not stacks, f"a rank hung; its threads:\n{stacks[-8000:]}"
-    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
-    failures = {r["rank"]: [f[-1500:] for f in r["failures"]] for r in reports if r["failures"]}
-    assert not failures, json.dumps(failures, indent=1)
-    assert status == 0, output[-4000:]
+    reports = run_rank_workers(tmp_path, WORKER, 4, timeout=240)
     assert len(reports) == 4
     assert len({r["checks"] for r in reports}) == 1 and reports[0]["checks"] > 20, reports

@@ -13,6 +13,7 @@ rest of the backward runs.
 
     sink = TiedEmbeddingGrad.attach(ddp_chunk)   # None where the chunk has no tied embedding
     ... forward/backward ...; ddp_chunk.finish_grad_sync(); sink.reduce()
+    (training/setup.py's DDP calls reduce() at the end of its finish_grad_sync)
 """
 
 from __future__ import annotations

@@ -169,7 +169,14 @@ def _parallel_group(parser):
                    help="Reduce gradients over data-parallel ranks in buckets during the "
                         "backward pass, overlapped with it (megatron-core DDP); a word "
                         "embedding tied to the output layer on the same stage gets a bucket of "
-                        "its own, reduced from the start of the last micro-batch's backward.")
+                        "its own, reduced from the start of the last micro-batch's backward (in "
+                        "a model with MoE layers and without the distributed optimizer, in one "
+                        "piece per MoE layer, each sent once the backward leaves that layer's "
+                        "MoE block, between the layers' own exchanges). scripts/train_*.sh pass "
+                        "it (OVERLAP_GRAD_REDUCE=0 does not).")
+    g.add_argument("--no-overlap-grad-reduce", action="store_false", dest="overlap_grad_reduce",
+                   help="Reduce gradients after the backward pass (the default; undoes an "
+                        "--overlap-grad-reduce given before it).")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="Parameters per gradient-reduction bucket (default: megatron-core's, "
                         "max(40M, 1M x data-parallel size)).")

@@ -54,6 +54,9 @@ TRAINING_ARGS=(
     --lr-warmup-iters "${WARMUP:-30}" --lr-decay-style cosine --clip-grad 1.0
     --weight-decay 0.1 --seed "${SEED:-1234}"
 )
+# data-parallel gradients reduced during the backward (as Megatron-LM's example recipes do);
+# OVERLAP_GRAD_REDUCE=0: after it
+if [ "${OVERLAP_GRAD_REDUCE:-1}" = 1 ]; then TRAINING_ARGS+=(--overlap-grad-reduce); fi
 DATA_ARGS=(
     --data-path $DATA_PATH --split "${SPLIT:-969,30,1}"
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER_MODEL"

@@ -174,5 +174,9 @@ def test_the_benchmarks_demo_model_is_make_demos(tmp_path):
               "attention_dropout", "disable_bias_linear", "num_experts", "moe_router_topk",
               "moe_ffn_hidden_size", "moe_aux_loss_coeff", "micro_batch_size",
               "global_batch_size", "tensor_model_parallel_size", "expert_model_parallel_size",
-              "expert_tensor_parallel_size", "sequence_parallel"]
+              "expert_tensor_parallel_size", "sequence_parallel", "overlap_grad_reduce"]
     assert {f: getattr(bench, f) for f in fields} == {f: getattr(demo, f) for f in fields}
+    assert demo.overlap_grad_reduce  # the scripts' default; OVERLAP_GRAD_REDUCE=0 turns it off
+    run = subprocess.run(["bash", "scripts/demo_gpt_moe.sh"], cwd=ROOT, capture_output=True,
+                         env={**env, "OVERLAP_GRAD_REDUCE": "0"}, text=True, timeout=60)
+    assert "--overlap-grad-reduce" not in run.stdout and "--train-iters" in run.stdout

@@ -3,7 +3,9 @@ own: on 4 gloo ranks (TP2 with SP x DP2), three micro-batches per step, two step
 parameter's reduced main_grad of the project's DDP equals that of megatron-core's plain
 DistributedDataParallel around the same weights and inputs; and with --overlap-grad-reduce the
 embedding's reduction is under way before the backward enters the transformer layers (with
-megatron's DDP it is not), in a bucket of its own, under both optimizers' bucketing."""
+megatron's DDP it is not), in a bucket of its own, under both optimizers' bucketing; without
+the distributed optimizer it is all-reduced in one piece per MoE layer, each launched as the
+backward leaves that layer's MoE block (training/paced_reduction.py)."""
 
 from conftest import run_rank_workers
 
@@ -57,8 +59,10 @@ def step(model, vocab, seed):
     weight = model.module.embedding.word_embeddings.weight
     seen = []
 
-    def state():  # the embedding's reduction launched?
-        return model.param_to_bucket_group[weight].grad_reduce_handle is not None
+    def state():  # the embedding's reduction launched? (paced: and its pieces launched)
+        launched = model.param_to_bucket_group[weight].grad_reduce_handle is not None
+        paced = getattr(model, "paced_embedding", None)
+        return (launched, paced.launched) if paced is not None else launched
 
     hook = model.module.decoder.register_full_backward_pre_hook(
         lambda module, grad: seen.append(state()))
@@ -101,8 +105,11 @@ try:
             early = step(ours, vocab, seed), step(theirs, vocab, seed)
             if overlap and seed == 2:  # (megatron launches nothing early in its first step)
                 # (when the layers' backward starts, at its end): megatron's launches at the
-                # end, ours before the layers
-                assert early == ((True, True), (False, True)), (case, early)
+                # end, ours before the layers; paced (without the distributed optimizer), its
+                # pieces none yet, then one per MoE layer (2)
+                want = ((True, 0), (True, 2)) if not distopt else (True, True)
+                assert early == (want, (False, True)), (case, early)
+            assert (ours.paced_embedding is not None) == (overlap and not distopt), case
             mine = dict(ours.module.named_parameters())
             for name, param in theirs.module.named_parameters():
                 if distopt:  # ours reduce-scattered: only this rank's shard is reduced

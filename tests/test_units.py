@@ -197,6 +197,13 @@ def test_explicit_values_win_over_derived_defaults():
     assert args.max_position_embeddings == 512
 
 
+def test_overlap_grad_reduce_off_unless_asked_and_the_last_flag_wins():
+    assert parse_args([], world_size=1).overlap_grad_reduce is False  # as Megatron-LM
+    assert parse_args(["--overlap-grad-reduce"], world_size=1).overlap_grad_reduce is True
+    assert parse_args(["--overlap-grad-reduce", "--no-overlap-grad-reduce"],
+                      world_size=1).overlap_grad_reduce is False
+
+
 def test_world_size_from_environment(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
     assert parse_args([]).world_size == 8

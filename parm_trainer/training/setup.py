@@ -13,6 +13,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from parm_trainer.models.init import init_weights_layout_free
+from parm_trainer.training.paced_reduction import PacedBucket
 from parm_trainer.training.tied_embedding import (
     TiedEmbeddingGrad, bucket_size_isolating, tied_word_embedding)
 
@@ -62,9 +63,11 @@ def expert_comm_explicit(module: torch.nn.Module) -> int:
 
 class DDP(DistributedDataParallel):
     """megatron-core's DDP; a tied word embedding's lookup gradient is reduced apart, after
-    DDP's own reduction (tied_embedding.py), so that the weight's bucket can go early."""
+    DDP's own reduction (tied_embedding.py), so that the weight's bucket can go early, paced
+    between the MoE layers' exchanges (paced_reduction.py)."""
 
     tied_embedding = None
+    paced_embedding = None  # the tied embedding's bucket reduced between the MoE exchanges
 
     def finish_grad_sync(self, *args, **kwargs):
         super().finish_grad_sync(*args, **kwargs)
@@ -123,6 +126,8 @@ def build_model(args, config: TransformerConfig, model_provider: ModelProvider) 
         model = DDP(config=config, ddp_config=ddp_config, module=module,
                     disable_bucketing=stage > 0)
         model.tied_embedding = TiedEmbeddingGrad.attach(model)
+        if model.tied_embedding is not None:
+            model.paced_embedding = PacedBucket.attach(model, model.tied_embedding.weight)
         model.broadcast_params()
         chunks.append(model)
     return chunks

@@ -9,8 +9,9 @@ exchange done), so that it crosses the link while the layer's attention backward
 whatever is left goes when DDP finishes the gradient sync. The sums are the same numbers as
 megatron-core's (one all-reduce of each element, the same scaling before it).
 
-    PacedBucket.attach(ddp_chunk, sink)   # None unless overlap, no distributed optimizer,
-                                          # the tied weight alone in its bucket, MoE layers
+    PacedBucket.attach(ddp_chunk, tied_weight)   # None unless overlap, no distributed
+                                                 # optimizer, the weight alone in its bucket
+                                                 # and MoE layers in the chunk
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class PacedBucket:
         self.group = bucket_group
         (self.bucket,) = bucket_group.buckets
         self.pieces = list(self.bucket.grad_data.view(-1).tensor_split(len(blocks)))
+        self.op = (torch.distributed.ReduceOp.AVG if bucket_group.ddp_config.average_in_collective
+                   else torch.distributed.ReduceOp.SUM)  # as megatron-core's
         self.handles = []
         self.launched = None  # pieces launched in this sync; None: no sync under way
         bucket_group.start_grad_sync = self.start
@@ -74,11 +77,8 @@ class PacedBucket:
             self._launch()
 
     def _launch(self) -> None:
-        op = torch.distributed.ReduceOp.SUM
-        if self.group.ddp_config.average_in_collective:
-            op = torch.distributed.ReduceOp.AVG
         self.handles.append(torch.distributed.all_reduce(
-            self.pieces[self.launched], op=op, group=self.group.data_parallel_group,
+            self.pieces[self.launched], op=self.op, group=self.group.data_parallel_group,
             async_op=True))
         self.launched += 1
 

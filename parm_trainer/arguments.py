@@ -177,6 +177,17 @@ def _parallel_group(parser):
     g.add_argument("--no-overlap-grad-reduce", action="store_false", dest="overlap_grad_reduce",
                    help="Reduce gradients after the backward pass (the default; undoes an "
                         "--overlap-grad-reduce given before it).")
+    g.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
+                   help="Overlap the MoE layers' expert-parallel exchange with the computation "
+                        "of another micro-batch: without pipeline parallelism the micro-batches "
+                        "run in pairs that take turns, one computing while the other's exchange "
+                        "travels (holds about one micro-batch of activations more); for Parm's "
+                        "s1 and s2, whose exchange hands over at its AlltoAlls. "
+                        "scripts/train_*.sh pass it (OVERLAP_MOE_COMM=0 does not).")
+    g.add_argument("--no-overlap-moe-expert-parallel-comm", action="store_false",
+                   dest="overlap_moe_expert_parallel_comm",
+                   help="One micro-batch at a time (the default; undoes an "
+                        "--overlap-moe-expert-parallel-comm given before it).")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="Parameters per gradient-reduction bucket (default: megatron-core's, "
                         "max(40M, 1M x data-parallel size)).")

@@ -57,6 +57,11 @@ TRAINING_ARGS=(
 # data-parallel gradients reduced during the backward (as Megatron-LM's example recipes do);
 # OVERLAP_GRAD_REDUCE=0: after it
 if [ "${OVERLAP_GRAD_REDUCE:-1}" = 1 ]; then TRAINING_ARGS+=(--overlap-grad-reduce); fi
+# micro-batches in pairs, one computing while the other's MoE exchange travels;
+# OVERLAP_MOE_COMM=0: one at a time
+if [ "${OVERLAP_MOE_COMM:-1}" = 1 ]; then
+    TRAINING_ARGS+=(--overlap-moe-expert-parallel-comm)
+fi
 DATA_ARGS=(
     --data-path $DATA_PATH --split "${SPLIT:-969,30,1}"
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER_MODEL"

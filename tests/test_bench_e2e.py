@@ -174,9 +174,13 @@ def test_the_benchmarks_demo_model_is_make_demos(tmp_path):
               "attention_dropout", "disable_bias_linear", "num_experts", "moe_router_topk",
               "moe_ffn_hidden_size", "moe_aux_loss_coeff", "micro_batch_size",
               "global_batch_size", "tensor_model_parallel_size", "expert_model_parallel_size",
-              "expert_tensor_parallel_size", "sequence_parallel", "overlap_grad_reduce"]
+              "expert_tensor_parallel_size", "sequence_parallel", "overlap_grad_reduce",
+              "overlap_moe_expert_parallel_comm"]
     assert {f: getattr(bench, f) for f in fields} == {f: getattr(demo, f) for f in fields}
-    assert demo.overlap_grad_reduce  # the scripts' default; OVERLAP_GRAD_REDUCE=0 turns it off
-    run = subprocess.run(["bash", "scripts/demo_gpt_moe.sh"], cwd=ROOT, capture_output=True,
-                         env={**env, "OVERLAP_GRAD_REDUCE": "0"}, text=True, timeout=60)
-    assert "--overlap-grad-reduce" not in run.stdout and "--train-iters" in run.stdout
+    # the scripts' defaults; OVERLAP_GRAD_REDUCE=0 and OVERLAP_MOE_COMM=0 turn them off
+    assert demo.overlap_grad_reduce and demo.overlap_moe_expert_parallel_comm
+    for variable, flag in (("OVERLAP_GRAD_REDUCE", "--overlap-grad-reduce"),
+                           ("OVERLAP_MOE_COMM", "--overlap-moe-expert-parallel-comm")):
+        run = subprocess.run(["bash", "scripts/demo_gpt_moe.sh"], cwd=ROOT, capture_output=True,
+                             env={**env, variable: "0"}, text=True, timeout=60)
+        assert flag not in run.stdout and "--train-iters" in run.stdout, variable

@@ -7,10 +7,10 @@ megatron's DDP it is not), in a bucket of its own, under both optimizers' bucket
 the distributed optimizer it is all-reduced in one piece per MoE layer, each launched as the
 backward leaves that layer's MoE block (training/paced_reduction.py)."""
 
-from conftest import run_rank_workers
+from conftest import RANK_MAIN, run_rank_workers
 
 WORKER = r'''
-import contextlib, faulthandler, json, os, sys, traceback
+import contextlib
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -81,11 +81,11 @@ def step(model, vocab, seed):
     return seen[-1], at_end
 
 
-STACKS = open(os.path.join(sys.argv[1], f"stacks{os.environ['RANK']}.txt"), "w")
-faulthandler.dump_traceback_later(100, exit=True, file=STACKS)  # a hang: every thread's stack
-cpu.apply()
-report = {"rank": int(os.environ["RANK"]), "checks": 0, "failures": []}
-try:
+HANG_S = 100
+
+
+def main(report):
+    cpu.apply()
     for vocab, overlap, distopt in CASES:
         flags = FLAGS + ["--overlap-grad-reduce"] * overlap + \
             ["--use-distributed-optimizer"] * distopt
@@ -134,14 +134,7 @@ try:
                 report["checks"] += 1
         path = ours.tied_embedding.last_path
         assert path == ("dense" if vocab == 8 else "sparse"), (case, path)
-except Exception:
-    report["failures"].append(traceback.format_exc())
-with open(os.path.join(sys.argv[1], f"rank{report['rank']}.json"), "w") as f:
-    json.dump(report, f)
-if report["failures"]:
-    os._exit(1)
-faulthandler.cancel_dump_traceback_later()
-'''
+''' + RANK_MAIN
 
 
 def test_tied_embedding_grads_are_megatrons_and_reduced_early(tmp_path):

@@ -202,6 +202,9 @@ def test_overlap_grad_reduce_off_unless_asked_and_the_last_flag_wins():
     assert parse_args(["--overlap-grad-reduce"], world_size=1).overlap_grad_reduce is True
     assert parse_args(["--overlap-grad-reduce", "--no-overlap-grad-reduce"],
                       world_size=1).overlap_grad_reduce is False
+    assert parse_args([], world_size=1).overlap_moe_expert_parallel_comm is False
+    flags = ["--overlap-moe-expert-parallel-comm", "--no-overlap-moe-expert-parallel-comm"]
+    assert parse_args(flags, world_size=1).overlap_moe_expert_parallel_comm is False
 
 
 def test_world_size_from_environment(monkeypatch):

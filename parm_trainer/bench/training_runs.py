@@ -16,7 +16,8 @@ import subprocess
 import time
 
 # `make demo`'s model (scripts/demo_gpt_moe.sh: Mixtral-shaped, no dropout) at a benchmark's
-# batch, with the scripts' --overlap-grad-reduce: the default model of tools/bench_e2e.py and
+# batch, with the scripts' --overlap-grad-reduce and --overlap-moe-expert-parallel-comm (which
+# megatron's layer ignores): the default model of tools/bench_e2e.py and
 # tools/bench_plan.py
 DEMO_MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
               "--seq-length", "128", "--max-position-embeddings", "128", "--disable-bias-linear",
@@ -24,6 +25,7 @@ DEMO_MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-head
               "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
               "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256",
               "--moe-aux-loss-coeff", "0.01", "--micro-batch-size", "4", "--overlap-grad-reduce",
+              "--overlap-moe-expert-parallel-comm",
               "--global-batch-size", "16", "--lr", "1e-3", "--lr-warmup-iters", "0",
               "--seed", "1234", "--split", "969,30,1", "--eval-iters", "0",
               "--tokenizer-type", "SentencePieceTokenizer"]

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from parm_trainer.moe import step_timing
 
+EP_GROUPS = ("ep", "ep_link")  # the expert-parallel exchange's groups (ep_link: relayed)
 KINDS = ("alltoall", "allgather", "reducescatter", "allreduce")
 PHASES = ("forward", "backward")
 
@@ -347,7 +348,7 @@ class _Start(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _placeholder):
         pending = ctx.pending
-        step_timing.wait(pending.grad_work)
+        step_timing.wait(pending.grad_work, hand_over=pending.name in EP_GROUPS)
         raw, pending.grad_work, pending.grad_raw = pending.grad_raw, None, None
         return pending.finish_grad(raw), None
 
@@ -355,7 +356,7 @@ class _Start(torch.autograd.Function):
 class _Finish(torch.autograd.Function):
     @staticmethod
     def forward(ctx, raw, pending):
-        step_timing.wait(pending.work)
+        step_timing.wait(pending.work, hand_over=pending.name in EP_GROUPS)
         # a finished handle is let go: it holds its output, whose grad_fn holds this pending
         # (a cycle through C++ that the garbage collector cannot see, leaking every chunk)
         pending.work = None

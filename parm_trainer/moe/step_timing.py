@@ -28,6 +28,8 @@ from collections import defaultdict
 
 import torch
 
+from parm_trainer.moe import turns
+
 _ENABLED = False
 _TOTALS: dict = defaultdict(float)  # name -> seconds since the last collect()
 _OPEN = [None]  # the name whose time is running now (a forward or backward step), or None
@@ -56,8 +58,12 @@ def _now() -> float:
     return time.perf_counter()
 
 
-def wait(work) -> None:
-    """work.wait(), its time added to the open step's `-wait` when timing."""
+def wait(work, hand_over: bool = False) -> None:
+    """work.wait(), its time added to the open step's `-wait` when timing. hand_over: where
+    micro-batches take turns (turns.py), the next one computes first (the expert-parallel
+    exchange's waits, on the bytes that cross the nodes)."""
+    if hand_over:
+        turns.pass_turn()
     if not _ENABLED or _OPEN[0] is None:
         work.wait()
         return

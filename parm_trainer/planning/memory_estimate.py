@@ -13,7 +13,9 @@ Per pipeline rank (its chunks under the run's layout, args.pipeline_stages):
                          the expert-DP group
   activations            what autograd saves per micro-batch (top-k expert rows included), at
                          the peak over megatron's schedule of the micro-batches the rank's chunks
-                         hold (P - k on stage k under 1F1B; interleaved: stages.live_micro_batches)
+                         hold (P - k on stage k under 1F1B; interleaved:
+                         stages.live_micro_batches; without stages, two with
+                         --overlap-moe-expert-parallel-comm)
   dispatch buffers       one MoE layer's exchange at a time: the rows it sends and receives
                          (transient, not saved)
 The same numbers the stage builder splits by under --memory-gb (stages.predict). They leave out
@@ -25,6 +27,7 @@ from __future__ import annotations
 from parm_trainer.moe.cost_model import DEFAULT_PROFILE
 from parm_trainer.planning.model_cost import ModelCost
 from parm_trainer.planning.stages import predict
+from parm_trainer.training import microbatch_overlap
 
 MIB = 2 ** 20
 
@@ -55,6 +58,12 @@ def estimate(args, profile=None) -> tuple:
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
     predicted = predict(runs, cost, pp, vp, microbatches, tied)
     ranks = predicted["ranks"]
+    paired = microbatch_overlap.in_flight(args, microbatches) if pp == 1 else 1
+    for rank in ranks:  # --overlap-moe-expert-parallel-comm holds a pair at once
+        extra = (paired - 1) * rank["activation_bytes"] / rank["in_flight"]
+        rank["in_flight"] *= paired
+        rank["activation_bytes"] += extra
+        rank["memory_bytes"] += extra
     rows = cost.n * (args.moe_router_topk or 0) * (args.expert_tensor_parallel_size or 1) / cost.tp
     out = []
     for r, rank in enumerate(ranks):

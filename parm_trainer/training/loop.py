@@ -12,6 +12,7 @@ rank, then steps the optimizer and the LR schedule.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from typing import Callable
@@ -24,7 +25,8 @@ from megatron.core.transformer.moe import moe_utils
 
 from parm_trainer.models.config import num_moe_layers, transformer_config
 from parm_trainer.parallel import destroy_distributed, rank_device
-from parm_trainer.training import async_save, checkpointing, faults, memory, memory_probe, watchdog
+from parm_trainer.training import (async_save, checkpointing, faults, memory, memory_probe,
+                                   microbatch_overlap, watchdog)
 from parm_trainer.training import timers as run_timers
 from parm_trainer.training.data import cycle, micro_batch_iterator
 from parm_trainer.training.expert_tokens import ExpertTokenCounter, format_expert_tokens
@@ -115,6 +117,9 @@ class Trainer:
         self.expert_tokens = (ExpertTokenCounter(self.model, args.num_layers, args.num_experts)
                               if self.num_moe_layers else None)
         self.flops = flops_per_iteration(args)
+        if args.overlap_moe_expert_parallel_comm and microbatch_overlap.not_applied(args):
+            print_rank_0("--overlap-moe-expert-parallel-comm: one micro-batch at a time here: "
+                         + microbatch_overlap.not_applied(args))
         estimate = getattr(args, "memory_estimate", None)  # initialize.report_memory's
         self._estimate = (f" (estimate {max(r['total'] for r in estimate) / 2**20:.1f} MiB + "
                           "the framework's own)" if estimate else "")
@@ -143,10 +148,16 @@ class Trainer:
         return (a.train_iters * a.global_batch_size, evals * a.eval_iters * a.global_batch_size,
                 a.eval_iters * a.global_batch_size)
 
-    def _run_schedule(self, iterator, forward_only: bool):
-        """iterator: one per model chunk (a list) under interleaved 1F1B."""
+    def _run_schedule(self, iterator, forward_only: bool, probe=None):
+        """iterator: one per model chunk (a list) under interleaved 1F1B. probe: the memory
+        probe around this call, whose hooks the overlapped micro-batches' threads enter too."""
         a = self.args
-        return get_forward_backward_func()(
+        if microbatch_overlap.usable(a, forward_only):
+            schedule = functools.partial(microbatch_overlap.forward_backward_overlapped,
+                                         around=probe.hooks if probe is not None else None)
+        else:
+            schedule = get_forward_backward_func()
+        return schedule(
             forward_step_func=self.forward_step, data_iterator=iterator, model=self.model,
             num_microbatches=a.num_microbatches, seq_length=a.seq_length,
             micro_batch_size=a.micro_batch_size, forward_only=forward_only)
@@ -162,7 +173,9 @@ class Trainer:
         probe = (memory_probe.SavedActivations(self.model)
                  if self.args.memory_probe and not self.probed else contextlib.nullcontext())
         with probe:
-            schedule_losses = self._run_schedule(iterator, forward_only=False)
+            schedule_losses = self._run_schedule(
+                iterator, forward_only=False,
+                probe=probe if isinstance(probe, memory_probe.SavedActivations) else None)
         losses = _reduce_losses(schedule_losses, self.loss_names)
         if faults.nan_at(self.iteration + 1):
             losses["lm loss"] = float("nan")

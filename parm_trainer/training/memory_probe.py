@@ -62,8 +62,13 @@ class SavedActivations:
     def _unpack(held):
         return held.tensor if isinstance(held, _Held) else held
 
+    def hooks(self):
+        """The saved-tensor hooks as a context of their own, for another thread (hooks are
+        per thread): microbatch_overlap's micro-batches enter it on theirs."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
     def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks = self.hooks()
         self._hooks.__enter__()
         return self
 

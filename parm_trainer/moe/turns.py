@@ -1,0 +1,114 @@
+"""Micro-batches taking turns on one rank, so that one computes while another's exchange travels.
+
+    turns = Turns()
+    turns.run([lambda: step(0), lambda: step(1)])   # each on a thread of its own, one at a time
+    pass_turn()        # inside a step: hand over to the next, return when handed back
+
+Exactly one of the threads runs at any time; the others sleep until handed the turn, so the
+micro-batches never compute at once and every rank issues its collectives in one same order
+(the hand-overs happen at the same points of the program on every rank: a turn is passed
+unconditionally, never depending on whether a collective has finished). A thread passes the
+turn where it would otherwise wait on the expert-parallel exchange's AlltoAll (step_timing.wait
+with hand_over, from comm.py): while those bytes cross the nodes, the next micro-batch computes.
+The short waits (the counts, the ESP and MP collectives inside a node) are waited in place, so
+that a micro-batch issues its AlltoAll before it hands over. Outside Turns.run, pass_turn()
+does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import threading
+
+import torch
+
+_LOCAL = threading.local()  # .turns: (Turns, index) on a thread that Turns.run started
+_M_ARENA_MAX = -8  # glibc's mallopt parameter
+
+
+def _one_malloc_arena() -> None:
+    """glibc gives each new thread a malloc arena of its own, whose pages the thread's tensors
+    fault in afresh (and the process keeps); the turns never allocate at once, so they share
+    the main one."""
+    try:
+        ctypes.CDLL(None).mallopt(_M_ARENA_MAX, 1)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+class Turns:
+    """`width` worker threads, started once and kept (a thread started anew for every
+    micro-batch leaves the process its thread-local pools and malloc arenas)."""
+
+    def __init__(self, width: int = 2):
+        _one_malloc_arena()
+        self.width = width
+        self._cond = threading.Condition()
+        self._turn = 0
+        self._live: list = []
+        self._jobs = [queue.SimpleQueue() for _ in range(width)]
+        self._ended = queue.SimpleQueue()
+        self._threads: list = []
+
+    def _hand_over(self, me: int) -> None:
+        """Give the turn to the next live thread after `me` (round robin); caller holds _cond."""
+        later = [i for i in self._live if i > me] or [i for i in self._live if i != me]
+        if later:
+            self._turn = later[0]
+            self._cond.notify_all()
+
+    def pass_turn(self, me: int) -> None:
+        with self._cond:
+            if len(self._live) < 2:
+                return
+            self._hand_over(me)
+            self._cond.wait_for(lambda: self._turn == me)
+
+    def _work(self, index: int) -> None:
+        _LOCAL.turns = (self, index)
+        while True:
+            step, threads_per_op = self._jobs[index].get()
+            torch.set_num_threads(threads_per_op)
+            with self._cond:
+                self._cond.wait_for(lambda: self._turn == index)
+            result, error = None, None
+            try:
+                result = step()
+            except BaseException as caught:  # noqa: BLE001 - re-raised by run()
+                error = caught
+            with self._cond:
+                self._hand_over(index)
+                self._live.remove(index)
+            self._ended.put((index, result, error))
+
+    def run(self, steps: list) -> list:
+        """Run each callable (at most `width`) on a worker thread, taking turns, the first one
+        first; return their results in order. The first exception raised (in turn order) is
+        raised here once every one has ended."""
+        if len(steps) > self.width:
+            raise ValueError(f"{len(steps)} steps for {self.width} threads")
+        while len(self._threads) < self.width:
+            thread = threading.Thread(target=self._work, args=(len(self._threads),),
+                                      daemon=True, name=f"micro-batch-{len(self._threads)}")
+            thread.start()
+            self._threads.append(thread)
+        with self._cond:
+            self._turn, self._live = 0, list(range(len(steps)))
+        for index, step in enumerate(steps):
+            self._jobs[index].put((step, torch.get_num_threads()))
+        results, errors = [None] * len(steps), [None] * len(steps)
+        for _ in steps:
+            index, results[index], errors[index] = self._ended.get()
+        for error in errors:
+            if error is not None:
+                raise error
+        return results
+
+
+def pass_turn() -> None:
+    """Hand the turn to the next micro-batch and wait to get it back (a no-op outside
+    Turns.run, or where the other micro-batches have ended)."""
+    turns = getattr(_LOCAL, "turns", None)
+    if turns is not None:
+        turns[0].pass_turn(turns[1])

@@ -1,0 +1,107 @@
+"""Two micro-batches in flight, taking turns, so that one computes while the other's MoE
+exchange travels (--overlap-moe-expert-parallel-comm, without pipeline parallelism).
+
+megatron's schedule without pipelining runs each micro-batch's forward and backward before the
+next one starts, so while a MoE layer's exchange crosses the link the rank has nothing to do.
+Here the micro-batches go in pairs: each of a pair runs forward_step and backward_step (megatron's
+own) on a thread of its own, and the two take turns (moe/turns.py): where one would wait on its
+exchange's expert-parallel AlltoAll it hands over, and the other computes (its attention, its
+experts, its backward) until it must wait in turn. Only one computes at any time, the turns
+change at the same points of the program on every rank, and every gradient is the sum of the
+same micro-batches' gradients as in the sequential schedule (the order of the additions may
+differ). The pair's activations are held together: about one micro-batch more than the
+sequential schedule at the peak.
+
+The pairs before the last run under DDP's no_sync, as megatron's micro-batches before the last;
+the last pair does not, so both its micro-batches mark their gradients ready, and megatron-core's
+DDP, which learns in the first iteration how many times each parameter becomes ready in the last
+micro-batch (golden counts: 2 here), starts a bucket's reduction once both have added to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
+from megatron.core.utils import get_model_config, get_model_type
+
+from parm_trainer.moe.turns import Turns
+
+IN_FLIGHT = 2
+_TURNS = []  # one Turns, its threads kept from one iteration to the next
+
+
+def not_applied(args, microbatches: int = None):
+    """Why --overlap-moe-expert-parallel-comm, given, does not apply to this run's training
+    (None where it does): it needs Parm's MoE layers (megatron's dispatcher waits in place, so
+    nothing would overlap), no pipeline stages, at least two micro-batches, and a
+    --timing-log-level below 2 (whose step timers time one micro-batch at a time).
+    microbatches: per step (default: args.num_microbatches, which validation sets)."""
+    if not args.num_experts or args.moe_parm_schedule == "megatron":
+        return "no Parm MoE layers"
+    if args.pipeline_model_parallel_size > 1:
+        return "pipeline parallelism (megatron's 1F1B schedule runs)"
+    if (args.num_microbatches if microbatches is None else microbatches) < 2:
+        return "one micro-batch per step"
+    if args.timing_log_level >= 2:
+        return "--timing-log-level 2 times one micro-batch at a time"
+    return None
+
+
+def in_flight(args, microbatches: int) -> int:
+    """Micro-batches whose activations the schedule holds at once without pipeline stages."""
+    overlap = getattr(args, "overlap_moe_expert_parallel_comm", False)
+    return IN_FLIGHT if overlap and not_applied(args, microbatches) is None else 1
+
+
+def usable(args, forward_only: bool) -> bool:
+    """Whether this call of the schedule (training, or evaluation: forward_only) runs here."""
+    return (getattr(args, "overlap_moe_expert_parallel_comm", False) and not forward_only
+            and not_applied(args) is None)
+
+
+def forward_backward_overlapped(*, forward_step_func, data_iterator, model, num_microbatches,
+                                seq_length=None, micro_batch_size=None, forward_only=False,
+                                around=None):
+    """megatron-core's forward_backward_no_pipelining, with the micro-batches run in pairs that
+    take turns (the module's docstring). Returns the forward data store, in micro-batch order.
+    around: a context factory each micro-batch runs in, on its thread (the memory probe's
+    saved-tensor hooks, which are per thread)."""
+    assert not forward_only, "the overlapped schedule trains; evaluation runs megatron's own"
+    if isinstance(model, list):
+        (model,) = model
+    if isinstance(data_iterator, list):
+        (data_iterator,) = data_iterator
+    config = get_model_config(model)
+    if config.timers is not None:
+        config.timers('forward-backward', log_level=1).start(barrier=config.barrier_with_L1_time)
+    no_sync = config.no_sync_func or contextlib.nullcontext
+    model_type = get_model_type(model)
+    cp_size = parallel_state.get_context_parallel_world_size()
+    stores = [[] for _ in range(num_microbatches)]
+    tokens = [None] * num_microbatches
+
+    def micro_batch(i):
+        with around() if around is not None else contextlib.nullcontext():
+            output, tokens[i] = forward_step(
+                forward_step_func, data_iterator, model, num_microbatches, None, stores[i],
+                config, cp_size, is_first_microbatch=i == 0, current_microbatch=i)
+            backward_step(None, output, None, model_type, config)
+
+    if not _TURNS:
+        _TURNS.append(Turns(IN_FLIGHT))
+    turns = _TURNS[0]
+    for first in range(0, num_microbatches, IN_FLIGHT):
+        group = range(first, min(first + IN_FLIGHT, num_microbatches))
+        last = group[-1] == num_microbatches - 1
+        with contextlib.nullcontext() if last else no_sync():
+            turns.run([lambda i=i: micro_batch(i) for i in group])
+    if config.finalize_model_grads_func is not None:
+        total = sum(tokens, torch.zeros([], dtype=torch.int))
+        config.finalize_model_grads_func(
+            [model], total if config.calculate_per_token_loss else None)
+    if config.timers is not None:
+        config.timers('forward-backward').stop()
+    return [item for store in stores for item in store]

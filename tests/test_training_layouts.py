@@ -33,10 +33,12 @@ LAYOUTS = {
                         "moe-parm-schedule": "s2", "moe-parm-chunks": 2}),
     "tp2_ep2_esp2_megatron": (4, {**TP2_EP2_ESP2_SP, "moe-parm-schedule": "megatron"}),
     # without sequence parallelism s1 splits the replicated tokens itself; two-piece exchange;
-    # every step timed (--timing-log-level 2 must not change what is computed)
+    # every step timed (--timing-log-level 2 must not change what is computed), with the two
+    # micro-batches taking turns (each timer counting its own micro-batch's time)
     "tp2_ep2_s1_no_sp_chunks2": (4, {"tensor-model-parallel-size": 2,
                                      "expert-model-parallel-size": 2, "moe-parm-chunks": 2,
-                                     "moe-parm-schedule": "s1", "timing-log-level": 2}),
+                                     "moe-parm-schedule": "s1", "timing-log-level": 2,
+                                     "overlap-moe-expert-parallel-comm": True}),
     # ESP differs from MP with EP=1: expert grads must be summed over the expert-DP group
     # ... and the distributed optimizer shards the experts' state over that group, the dense
     # state over DP (both in the memory estimate, checked against the probe)
@@ -65,6 +67,8 @@ def test_first_five_losses_match_single_rank(layout, reference, gpt_data, tmp_pa
         assert_memory_as_estimated(run, stages=1)
     if "ranks-per-node" in flags:  # the relay ran: its in-node hop's groups were built
         assert "exchange relayed through 2 nodes of 2 EP ranks" in run.output
+    if "overlap-moe-expert-parallel-comm" in flags:  # applied: no line saying otherwise
+        assert "one micro-batch at a time here" not in run.output, run.output[-3000:]
     if "timing-log-level" in flags:
         check_timing_report(run.output, flags)
         check_plots(tmp_path, run)
@@ -195,6 +199,9 @@ def check_timing_report(output: str, flags: dict) -> None:
         for name in ("forward-backward", "forward-compute", "backward-compute",
                      "batch-generator", "all-grads-sync", "optimizer"):
             assert name in times, block
+        most = {name: float(value.strip("()").split(", ")[-1]) for name, value in times.items()}
+        assert most["forward-compute"] + most["backward-compute"] < most["forward-backward"], \
+            block  # (micro-batches taking turns: each its own time, none twice)
         if flags.get("timing-log-option") == "max":
             assert block.startswith("max time across ranks (ms):"), block
             whole = float(times["forward-backward"])

@@ -23,6 +23,7 @@ baseline's two AlltoAlls) is numbered: a2a, a2a2.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 
@@ -32,14 +33,24 @@ from parm_trainer.moe import turns
 
 _ENABLED = False
 _TOTALS: dict = defaultdict(float)  # name -> seconds since the last collect()
-_OPEN = [None]  # the name whose time is running now (a forward or backward step), or None
+_LOCAL = threading.local()  # per thread (micro-batches taking turns each have one):
+# .open: the name whose time is running now (a forward or backward step), or None;
+# .away: seconds this thread has been handed over (turns.py), left out of its steps' times
+
+
+def _open():
+    return getattr(_LOCAL, "open", None)
+
+
+def _set_open(name) -> None:
+    _LOCAL.open = name
 
 
 def enable(on: bool = True) -> None:
     global _ENABLED
     _ENABLED = on
     _TOTALS.clear()
-    _OPEN[0] = None
+    _LOCAL.open = None
 
 
 def enabled() -> bool:
@@ -53,9 +64,10 @@ def collect() -> dict:
 
 
 def _now() -> float:
+    """This thread's clock: the time less the time it was handed over."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return time.perf_counter()
+    return time.perf_counter() - getattr(_LOCAL, "away", 0.0)
 
 
 def wait(work, hand_over: bool = False) -> None:
@@ -63,13 +75,13 @@ def wait(work, hand_over: bool = False) -> None:
     micro-batches take turns (turns.py), the next one computes first (the expert-parallel
     exchange's waits, on the bytes that cross the nodes)."""
     if hand_over:
-        turns.pass_turn()
-    if not _ENABLED or _OPEN[0] is None:
+        _LOCAL.away = getattr(_LOCAL, "away", 0.0) + turns.pass_turn()
+    if not _ENABLED or _open() is None:
         work.wait()
         return
     start = _now()
     work.wait()
-    _TOTALS[_OPEN[0] + "-wait"] += _now() - start
+    _TOTALS[_open() + "-wait"] += _now() - start
 
 
 def labels(ops) -> list:
@@ -108,7 +120,7 @@ class _Backward:
         if closing is not None and self.since is not None:
             _TOTALS[closing] += now - self.since
         self.since = now
-        _OPEN[0] = opening
+        _set_open(opening)
 
 
 class _Mark(torch.autograd.Function):
@@ -155,14 +167,14 @@ class LayerClock:
         self.index += 1
         self.since = now
         name = f"{self.prefix}{self.labels[self.index]}"
-        _OPEN[0] = name + "-fwd"
+        _set_open(name + "-fwd")
         before = (f"{self.prefix}{self.labels[self.index - 1]}-bwd" if self.index else None)
         return _mark(x, self.timeline, name + "-bwd", before)
 
     def leave(self, x):
         """After the last step: its forward ends; x's mark opens the backward of that step."""
         self._close_forward(_now())
-        _OPEN[0] = None
+        _set_open(None)
         return _mark(x, self.timeline, None, f"{self.prefix}{self.labels[self.index]}-bwd")
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import queue
 import threading
+import time
 
 import torch
 
@@ -50,6 +51,7 @@ class Turns:
         self._jobs = [queue.SimpleQueue() for _ in range(width)]
         self._ended = queue.SimpleQueue()
         self._threads: list = []
+        self._on_leave = self._on_back = _nothing
 
     def _hand_over(self, me: int) -> None:
         """Give the turn to the next live thread after `me` (round robin); caller holds _cond."""
@@ -58,12 +60,17 @@ class Turns:
             self._turn = later[0]
             self._cond.notify_all()
 
-    def pass_turn(self, me: int) -> None:
+    def pass_turn(self, me: int) -> float:
         with self._cond:
             if len(self._live) < 2:
-                return
+                return 0.0
+            self._on_leave()
+            left = time.perf_counter()
             self._hand_over(me)
             self._cond.wait_for(lambda: self._turn == me)
+            away = time.perf_counter() - left
+        self._on_back()
+        return away
 
     def _work(self, index: int) -> None:
         _LOCAL.turns = (self, index)
@@ -82,10 +89,11 @@ class Turns:
                 self._live.remove(index)
             self._ended.put((index, result, error))
 
-    def run(self, steps: list) -> list:
+    def run(self, steps: list, on_leave=None, on_back=None) -> list:
         """Run each callable (at most `width`) on a worker thread, taking turns, the first one
         first; return their results in order. The first exception raised (in turn order) is
-        raised here once every one has ended."""
+        raised here once every one has ended. on_leave / on_back: called on a thread as it
+        hands the turn over and as it gets it back."""
         if len(steps) > self.width:
             raise ValueError(f"{len(steps)} steps for {self.width} threads")
         while len(self._threads) < self.width:
@@ -95,6 +103,7 @@ class Turns:
             self._threads.append(thread)
         with self._cond:
             self._turn, self._live = 0, list(range(len(steps)))
+            self._on_leave, self._on_back = on_leave or _nothing, on_back or _nothing
         for index, step in enumerate(steps):
             self._jobs[index].put((step, torch.get_num_threads()))
         results, errors = [None] * len(steps), [None] * len(steps)
@@ -106,9 +115,12 @@ class Turns:
         return results
 
 
-def pass_turn() -> None:
+def _nothing() -> None:
+    pass
+
+
+def pass_turn() -> float:
     """Hand the turn to the next micro-batch and wait to get it back (a no-op outside
-    Turns.run, or where the other micro-batches have ended)."""
+    Turns.run, or where the other micro-batches have ended); the seconds it was away."""
     turns = getattr(_LOCAL, "turns", None)
-    if turns is not None:
-        turns[0].pass_turn(turns[1])
+    return 0.0 if turns is None else turns[0].pass_turn(turns[1])

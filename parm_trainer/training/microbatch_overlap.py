@@ -16,11 +16,18 @@ The pairs before the last run under DDP's no_sync, as megatron's micro-batches b
 the last pair does not, so both its micro-batches mark their gradients ready, and megatron-core's
 DDP, which learns in the first iteration how many times each parameter becomes ready in the last
 micro-batch (golden counts: 2 here), starts a bucket's reduction once both have added to it.
+
+Timers (--timing-log-level 1 and 2) stop while their thread has handed the turn over, so
+megatron's forward-compute and backward-compute and the MoE layers' step times count each
+micro-batch's own time. On CUDA, autograd runs the backward's CUDA nodes on a device thread of
+its own, which holds no turn: there only the forwards hand over.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import threading
 
 import torch
 from megatron.core import parallel_state
@@ -36,8 +43,7 @@ _TURNS = []  # one Turns, its threads kept from one iteration to the next
 def not_applied(args, microbatches: int = None):
     """Why --overlap-moe-expert-parallel-comm, given, does not apply to this run's training
     (None where it does): it needs Parm's MoE layers (megatron's dispatcher waits in place, so
-    nothing would overlap), no pipeline stages, at least two micro-batches, and a
-    --timing-log-level below 2 (whose step timers time one micro-batch at a time).
+    nothing would overlap), no pipeline stages and at least two micro-batches.
     microbatches: per step (default: args.num_microbatches, which validation sets)."""
     if not args.num_experts or args.moe_parm_schedule == "megatron":
         return "no Parm MoE layers"
@@ -45,8 +51,6 @@ def not_applied(args, microbatches: int = None):
         return "pipeline parallelism (megatron's 1F1B schedule runs)"
     if (args.num_microbatches if microbatches is None else microbatches) < 2:
         return "one micro-batch per step"
-    if args.timing_log_level >= 2:
-        return "--timing-log-level 2 times one micro-batch at a time"
     return None
 
 
@@ -54,6 +58,41 @@ def in_flight(args, microbatches: int) -> int:
     """Micro-batches whose activations the schedule holds at once without pipeline stages."""
     overlap = getattr(args, "overlap_moe_expert_parallel_comm", False)
     return IN_FLIGHT if overlap and not_applied(args, microbatches) is None else 1
+
+
+class _TurnTimers:
+    """config.timers as the micro-batches' threads see it: a timer a thread started (megatron's
+    forward-compute, backward-compute) stops while that thread has handed the turn over and
+    starts again when it gets it back, so each adds only its own micro-batch's time."""
+
+    def __init__(self, timers):
+        self.timers = timers
+        self.local = threading.local()  # .running: the timers this thread started
+
+    def __call__(self, name, log_level=None):
+        timer = self.timers(name) if log_level is None else self.timers(name, log_level)
+        return _TurnTimer(timer, self.local)
+
+    def leave(self):
+        for timer in getattr(self.local, "running", ()):
+            timer.stop()
+
+    def back(self):
+        for timer in getattr(self.local, "running", ()):
+            timer.start()
+
+
+class _TurnTimer:
+    def __init__(self, timer, local):
+        self.timer, self.local = timer, local
+
+    def start(self, barrier=False):
+        self.timer.start(barrier=barrier)
+        self.local.__dict__.setdefault("running", []).append(self.timer)
+
+    def stop(self, barrier=False):
+        self.local.running.remove(self.timer)
+        self.timer.stop(barrier=barrier)
 
 
 def usable(args, forward_only: bool) -> bool:
@@ -80,6 +119,11 @@ def forward_backward_overlapped(*, forward_step_func, data_iterator, model, num_
     no_sync = config.no_sync_func or contextlib.nullcontext
     model_type = get_model_type(model)
     cp_size = parallel_state.get_context_parallel_world_size()
+    timers = _TurnTimers(config.timers) if config.timers is not None else None
+    step_config = config
+    if timers is not None:  # (the model's modules keep the config itself)
+        step_config = copy.copy(config)
+        step_config.timers = timers
     stores = [[] for _ in range(num_microbatches)]
     tokens = [None] * num_microbatches
 
@@ -87,8 +131,8 @@ def forward_backward_overlapped(*, forward_step_func, data_iterator, model, num_
         with around() if around is not None else contextlib.nullcontext():
             output, tokens[i] = forward_step(
                 forward_step_func, data_iterator, model, num_microbatches, None, stores[i],
-                config, cp_size, is_first_microbatch=i == 0, current_microbatch=i)
-            backward_step(None, output, None, model_type, config)
+                step_config, cp_size, is_first_microbatch=i == 0, current_microbatch=i)
+            backward_step(None, output, None, model_type, step_config)
 
     if not _TURNS:
         _TURNS.append(Turns(IN_FLIGHT))
@@ -97,7 +141,8 @@ def forward_backward_overlapped(*, forward_step_func, data_iterator, model, num_
         group = range(first, min(first + IN_FLIGHT, num_microbatches))
         last = group[-1] == num_microbatches - 1
         with contextlib.nullcontext() if last else no_sync():
-            turns.run([lambda i=i: micro_batch(i) for i in group])
+            turns.run([lambda i=i: micro_batch(i) for i in group],
+                      on_leave=timers and timers.leave, on_back=timers and timers.back)
     if config.finalize_model_grads_func is not None:
         total = sum(tokens, torch.zeros([], dtype=torch.int))
         config.finalize_model_grads_func(

@@ -66,20 +66,20 @@ class Turns:
             torch.set_num_threads(threads_per_op)
             with self._cond:
                 self._cond.wait_for(lambda: self._turn == index)
-            result, error = None, None
+            error = None
             try:
-                result = step()
+                step()
             except BaseException as caught:  # noqa: BLE001 - re-raised by run()
                 error = caught
             with self._cond:
                 self._hand_over(index)
                 self._live.remove(index)
-            self._ended.put((index, result, error))
+            self._ended.put((index, error))
 
-    def run(self, steps: list, on_leave=None, on_back=None) -> list:
+    def run(self, steps: list, on_leave=None, on_back=None) -> None:
         """Run each callable (at most `width`) on a worker thread, taking turns, the first one
-        first; return their results in order. The first exception raised (in turn order) is
-        raised here once every one has ended. on_leave / on_back: called on a thread as it
+        first, until every one has ended; then raise the first exception one raised (in turn
+        order), if any. on_leave / on_back: called on a thread as it
         hands the turn over and as it gets it back."""
         if len(steps) > self.width:
             raise ValueError(f"{len(steps)} steps for {self.width} threads")
@@ -93,13 +93,12 @@ class Turns:
             self._on_leave, self._on_back = on_leave or _nothing, on_back or _nothing
         for index, step in enumerate(steps):
             self._jobs[index].put((step, torch.get_num_threads()))
-        results, errors = [None] * len(steps), [None] * len(steps)
+        errors = [None] * len(steps)
         for _ in steps:
-            index, results[index], errors[index] = self._ended.get()
+            index, errors[index] = self._ended.get()
         for error in errors:
             if error is not None:
                 raise error
-        return results
 
 
 def _nothing() -> None:

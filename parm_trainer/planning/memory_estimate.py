@@ -58,7 +58,7 @@ def estimate(args, profile=None) -> tuple:
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
     predicted = predict(runs, cost, pp, vp, microbatches, tied)
     ranks = predicted["ranks"]
-    paired = microbatch_overlap.in_flight(args, microbatches) if pp == 1 else 1
+    paired = microbatch_overlap.in_flight(args, microbatches)  # 1 with pipeline stages
     for rank in ranks:  # --overlap-moe-expert-parallel-comm holds a pair at once
         extra = (paired - 1) * rank["activation_bytes"] / rank["in_flight"]
         rank["in_flight"] *= paired

@@ -117,9 +117,10 @@ class Trainer:
         self.expert_tokens = (ExpertTokenCounter(self.model, args.num_layers, args.num_experts)
                               if self.num_moe_layers else None)
         self.flops = flops_per_iteration(args)
-        if args.overlap_moe_expert_parallel_comm and microbatch_overlap.not_applied(args):
-            print_rank_0("--overlap-moe-expert-parallel-comm: one micro-batch at a time here: "
-                         + microbatch_overlap.not_applied(args))
+        why = microbatch_overlap.not_applied(args)
+        if args.overlap_moe_expert_parallel_comm and why:
+            print_rank_0(f"--overlap-moe-expert-parallel-comm: one micro-batch at a time here: "
+                         f"{why}")
         estimate = getattr(args, "memory_estimate", None)  # initialize.report_memory's
         self._estimate = (f" (estimate {max(r['total'] for r in estimate) / 2**20:.1f} MiB + "
                           "the framework's own)" if estimate else "")
@@ -171,11 +172,9 @@ class Trainer:
         faults.at_iteration(self.iteration + 1)
         watchdog.beat(self.iteration + 1, "forward-backward")
         probe = (memory_probe.SavedActivations(self.model)
-                 if self.args.memory_probe and not self.probed else contextlib.nullcontext())
-        with probe:
-            schedule_losses = self._run_schedule(
-                iterator, forward_only=False,
-                probe=probe if isinstance(probe, memory_probe.SavedActivations) else None)
+                 if self.args.memory_probe and not self.probed else None)
+        with probe or contextlib.nullcontext():
+            schedule_losses = self._run_schedule(iterator, forward_only=False, probe=probe)
         losses = _reduce_losses(schedule_losses, self.loss_names)
         if faults.nan_at(self.iteration + 1):
             losses["lm loss"] = float("nan")

@@ -37,7 +37,7 @@ from megatron.core.utils import get_model_config, get_model_type
 from parm_trainer.moe.turns import Turns
 
 IN_FLIGHT = 2
-_TURNS = []  # one Turns, its threads kept from one iteration to the next
+_TURNS = Turns(IN_FLIGHT)  # its threads start at the first pair and are kept
 
 
 def not_applied(args, microbatches: int = None):
@@ -55,7 +55,8 @@ def not_applied(args, microbatches: int = None):
 
 
 def in_flight(args, microbatches: int) -> int:
-    """Micro-batches whose activations the schedule holds at once without pipeline stages."""
+    """Micro-batches the overlapped schedule holds at once: 2 where it applies, else 1 (with
+    pipeline stages megatron's schedule runs, whose count stages.predict makes)."""
     overlap = getattr(args, "overlap_moe_expert_parallel_comm", False)
     return IN_FLIGHT if overlap and not_applied(args, microbatches) is None else 1
 
@@ -134,14 +135,11 @@ def forward_backward_overlapped(*, forward_step_func, data_iterator, model, num_
                 step_config, cp_size, is_first_microbatch=i == 0, current_microbatch=i)
             backward_step(None, output, None, model_type, step_config)
 
-    if not _TURNS:
-        _TURNS.append(Turns(IN_FLIGHT))
-    turns = _TURNS[0]
     for first in range(0, num_microbatches, IN_FLIGHT):
         group = range(first, min(first + IN_FLIGHT, num_microbatches))
         last = group[-1] == num_microbatches - 1
         with contextlib.nullcontext() if last else no_sync():
-            turns.run([lambda i=i: micro_batch(i) for i in group],
+            _TURNS.run([lambda i=i: micro_batch(i) for i in group],
                       on_leave=timers and timers.leave, on_back=timers and timers.back)
     if config.finalize_model_grads_func is not None:
         total = sum(tokens, torch.zeros([], dtype=torch.int))

@@ -252,10 +252,11 @@ def test_four_ranks_every_layout_chunks_and_bytes(tmp_path):
     configs += [
         config(2, 2, 1, sp=True, name="megatron-allgather",
                **{"moe-token-dispatcher-type": "allgather", "schedules": "megatron"}),
-        # the peers by name, and auto with the pipeline depth left to the cost model
+        # the peers by name, auto with the pipeline depth left to the cost model, and rows
+        # at a depth of their own (s1/r2, s2/r4), all in one interleaved timing
         config(2, 2, 2, sp=True, name="peers-auto",
-               **{"moe-parm-chunks": 0,
-                  "schedules": "auto,megatron-alltoall,megatron-allgather,deepspeed-ted"}),
+               **{"moe-parm-chunks": 0, "schedules": "auto,s1/r2,s2/r4,megatron-alltoall,"
+                                                     "megatron-allgather,deepspeed-ted"}),
         # Token dropping: capacity counted per gate call, as the reference does for each.
         config(2, 2, 2, name="drop", **{"moe-expert-capacity-factor": 1.0}),
         # top-1 (pre-softmax), dropless and dropping by its probabilities, pipelined
@@ -347,6 +348,11 @@ def test_four_ranks_every_layout_chunks_and_bytes(tmp_path):
     assert [runs["peers-auto"]["schedules"][p]["plan"] for p in ("megatron-alltoall",
             "megatron-allgather")] == [f"megatron-core MoELayer ({d} dispatcher)"
                                        for d in ("alltoall", "allgather")]
+    for row, chunks in (("s1/r2", 2), ("s2/r4", 4)):
+        result = runs["peers-auto"]["schedules"][row]
+        assert result["chunks"] == chunks and result["plan"].startswith(row[:2] + ":"), result
+        assert result["auto_choice"] is None
+        assert (tmp_path / "dump" / "peers-auto" / f"{row.replace('/', '-')}_output.pt").exists()
     # The pipelined exchange moves the same bytes.
     for schedule in ("s1", "s2"):
         chunked = runs["bytes-chunks2"]["schedules"][schedule]["bytes"]

@@ -2,13 +2,16 @@
 for the command line and for every entry of --configs alike.
 
 Rows: --schedules (Parm's baseline, s1, s2, auto, and any peer) and then --peers (megatron-core's
-dispatchers, "deepspeed" for DeepSpeed's three modes; peers/__init__.py).
+dispatchers, "deepspeed" for DeepSpeed's three modes; peers/__init__.py). A row s1/rN or s2/rN
+is that schedule at pipeline depth N whatever --moe-parm-chunks says, so one launch can time
+every depth with auto and the peers, their iterations interleaved.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from parm_trainer.arguments import parse_args
@@ -18,6 +21,7 @@ from parm_trainer.moe.reference import ACTIVATION, ROUTER
 PARM = ("baseline", "s1", "s2", "auto")
 SCHEDULE_NAMES = (*PARM, *peers.NAMES)
 DEFAULT_ROWS = "baseline,s1,s2,megatron"
+DEPTH_ROW = re.compile(r"^(s1|s2)/r([1-9][0-9]*)$")
 TOOL_HELP = f"""\
 bench_moe_layer: one MoE layer, forward and backward, under several schedules, each checked
 against parm_trainer/moe/reference.py, timed, and its collectives' bytes counted.
@@ -46,6 +50,7 @@ def add_tool_args(parser: argparse.ArgumentParser) -> None:
                         "is one rank of a job torchrun started.")
     g.add_argument("--schedules", default=None,
                    help=f"Comma-separated schedules to run, from {','.join(SCHEDULE_NAMES)} "
+                        "and s1/rN, s2/rN (that schedule at pipeline depth N) "
                         f"(default {DEFAULT_ROWS}; with --peers: {','.join(PARM[:3])}). "
                         "One that cannot run the layout is reported as skipped, with the reason.")
     g.add_argument("--peers", default=None,
@@ -83,15 +88,23 @@ def rows(args) -> list:
     """The rows to run, in order: --schedules', then --peers' (groups expanded, each once)."""
     schedules = _names(args.schedules if args.schedules is not None else
                        ",".join(PARM[:3]) if args.peers else DEFAULT_ROWS)
-    unknown = [s for s in schedules if s not in SCHEDULE_NAMES and s not in peers.GROUPS]
+    unknown = [s for s in schedules
+               if s not in SCHEDULE_NAMES and s not in peers.GROUPS and not DEPTH_ROW.match(s)]
     if unknown or not schedules and not args.peers:
-        raise ToolError(f"--schedules: unknown {unknown}; choose from {','.join(SCHEDULE_NAMES)}")
+        raise ToolError(f"--schedules: unknown {unknown}; choose from {','.join(SCHEDULE_NAMES)} "
+                        "or s1/rN, s2/rN")
     extra = _names(args.peers or "")
     unknown = [p for p in extra if p not in peers.NAMES and p not in peers.GROUPS]
     if unknown or args.peers is not None and not extra:
         raise ToolError(f"--peers: unknown {unknown}; choose from "
                         f"{','.join((*peers.NAMES, *peers.GROUPS))}")
     return peers.expand(schedules + extra)
+
+
+def depth_row(name: str):
+    """(schedule, depth) of a row s1/rN or s2/rN; None for any other row."""
+    match = DEPTH_ROW.match(name)
+    return (match.group(1), int(match.group(2))) if match else None
 
 
 def parse(argv, world_size=None):

@@ -28,9 +28,10 @@ from parm_trainer.bench.weights import dump_inputs, dump_result, full_weights, l
 
 def _trial(args, name):
     """args for one row: megatron-alltoall / megatron-allgather are megatron-core's MoELayer
-    with that token dispatcher; auto is the schedule (and, with --moe-parm-chunks 0, the
-    pipeline depth) the cost model picks for this layer, from --moe-parm-cost-profile or the
-    built-in profile."""
+    with that token dispatcher; s1/r2 is s1 at depth 2; auto is the schedule (and, with
+    --moe-parm-chunks 0, the pipeline depth) the cost model picks for this layer, from
+    --moe-parm-cost-profile or the built-in profile."""
+    from parm_trainer.bench.flags import depth_row
     from parm_trainer.moe.auto import resolve_auto_schedule
 
     trial = copy.copy(args)
@@ -39,6 +40,8 @@ def _trial(args, name):
         return trial
     if name in peers.MEGATRON:
         megatron.configure(trial, name)
+    elif depth_row(name):
+        trial.moe_parm_schedule, trial.moe_parm_chunks = depth_row(name)
     else:
         trial.moe_parm_schedule = name
     said = []

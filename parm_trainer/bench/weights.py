@@ -116,8 +116,10 @@ def dump_inputs(dump_dir, args, replica, weights) -> None:
 
 
 def dump_result(dump_dir, name, full_out, full_in_grad):
-    """--dump: NAME_output.pt and NAME_input_grad.pt of data-parallel replica 0, as (T, M)."""
+    """--dump: NAME_output.pt and NAME_input_grad.pt of data-parallel replica 0, as (T, M);
+    a row s1/r2 is written as s1-r2_output.pt."""
     if dump_dir and torch.distributed.get_rank() == 0:
+        name = name.replace("/", "-")
         s, b, m = full_out.shape
         torch.save(full_out.reshape(s * b, m).cpu(), os.path.join(dump_dir, f"{name}_output.pt"))
         torch.save(full_in_grad.reshape(s * b, m).cpu(),

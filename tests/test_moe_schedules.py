@@ -196,6 +196,35 @@ def test_tune_times_the_candidates_in_interleaved_rounds():
     assert len(calls) == 4 + 5 * 4
 
 
+def test_tune_runs_off_a_close_call():
+    """Where the runner-up lies within 10 % of the fastest, the two alone get 6 more
+    interleaved runs and the medians over all their runs decide: here b's 5 first runs are
+    lucky (2.9 ms against a's 3.0) but its true time is 3.1 ms, so a is taken. The medians are
+    reduced (as over ranks) before either comparison. A clear lead gets no run-off."""
+    from parm_trainer.moe.tune import measured_seconds
+
+    calls, reduced = [], []
+
+    def run(candidate):
+        calls.append(candidate)
+        lucky = candidate == "b" and calls.count("b") <= 6  # its warm-up and 5 rounds
+        return {"a": 3.0, "b": 2.9 if lucky else 3.1, "c": 5.0}[candidate] * 1e-3
+
+    def reduce(medians):
+        reduced.append(list(medians))
+        return medians
+
+    seconds = measured_seconds(["a", "b", "c"], run, reduce)
+    assert min(seconds, key=seconds.get) == "a"
+    assert seconds == pytest.approx({"a": 3.0e-3, "b": 3.1e-3, "c": 5.0e-3})
+    assert len(calls) == 3 + 5 * 3 + 6 * 2 and set(calls[18:]) == {"a", "b"}
+    assert reduced[0] == pytest.approx([3.0e-3, 2.9e-3, 5.0e-3]) and len(reduced) == 2
+
+    calls.clear()
+    seconds = measured_seconds(["a", "c"], run)
+    assert len(calls) == 2 + 5 * 2 and seconds == pytest.approx({"a": 3e-3, "c": 5e-3})
+
+
 def test_tune_cache_path(monkeypatch):
     from types import SimpleNamespace
 

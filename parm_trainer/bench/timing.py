@@ -2,8 +2,9 @@
 
 The median of --iters iterations after --warmup, per rank, each iteration started by a barrier
 on all ranks (untimed; torch.cuda.synchronize on GPU), the schedules' iterations interleaved
-(one of each in turn, so a drift of the machine's speed touches all alike; each turn starting
-one schedule later, so none always follows the same one): forward, backward and their sum per
+(one of each in turn, so a drift of the machine's speed touches all alike; each turn in an
+order of its own, moe/tune.py's round_order, so none always follows the same one): forward,
+backward and their sum per
 iteration, reported for rank 0 and as the max over ranks. A row's time (fwd+bwd, the ratio,
 x floor) is the max over ranks of the median sum: a rank slow in the forward waits less in the
 backward, so the sum of the two phases' maxima would count one wait twice.
@@ -18,6 +19,7 @@ import torch
 
 from parm_trainer.bench.layout import sync
 from parm_trainer.bench.replica import clear_tracker
+from parm_trainer.moe.tune import round_order
 
 
 def median(values):
@@ -59,8 +61,7 @@ def time_schedules(timed: dict, args) -> None:
     times = {name: [] for name in timed}  # (forward, backward) per iteration
     names = list(timed)
     for i in range(args.warmup + args.iters):
-        turn = i % len(names)
-        for name in names[turn:] + names[:turn]:
+        for name in round_order(names, i):
             clear_tracker()
             *_, f, b = timed[name][1]()
             if i >= args.warmup:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import random
 import socket
 import statistics
 import time
@@ -63,7 +64,7 @@ def _key(args, candidates) -> str:
                   "bf16" if args.bf16 else "fp32"],
         "exchange": args.moe_parm_exchange, "candidates": [list(c) for c in candidates],
         # entries timed otherwise are re-measured
-        "timing": f"interleaved {WARMUP}+{ROUNDS}, run-off {RUNOFF_ROUNDS} within "
+        "timing": f"interleaved {WARMUP}+{ROUNDS} shuffled, run-off {RUNOFF_ROUNDS} within "
                   f"{RUNOFF_MARGIN:.0%}"},
         sort_keys=True)
 
@@ -103,18 +104,29 @@ def _sync():
 def interleaved_times(candidates: list, run, warmup: int = WARMUP,
                       rounds: int = ROUNDS) -> dict:
     """{candidate: [seconds of each of `rounds` timed runs]} (run(candidate) -> seconds), after
-    `warmup` untimed runs of every candidate. Each round times every candidate once, starting
-    one further along each round, so that a slow stretch of the machine (or the first use of a
+    `warmup` untimed runs of every candidate. Each round times every candidate once, in the
+    order round_order gives, so that a slow stretch of the machine (or the first use of a
     process group) touches the candidates alike instead of falling on all of one's passes."""
     for candidate in candidates:
         for _ in range(warmup):
             run(candidate)
     times = {candidate: [] for candidate in candidates}
     for k in range(rounds):
-        shift = k % len(candidates)
-        for candidate in candidates[shift:] + candidates[:shift]:
+        for candidate in round_order(candidates, k):
             times[candidate].append(run(candidate))
     return times
+
+
+def round_order(items: list, k: int) -> list:
+    """The order of round k: items shuffled by a generator seeded with k alone, so every rank
+    takes the same order (the runs are collective), and each item follows each other about
+    equally often. A rotation keeps one cyclic order, so an item would follow the same one in
+    nearly every round and carry what that one leaves behind (memory it freed, the state of
+    the connections it used): a layer timed after s2 at depth 4 ran 2-7 % slower than the same
+    layer timed after s1 at depth 2, in the same launch."""
+    order = list(items)
+    random.Random(k).shuffle(order)
+    return order
 
 
 def interleaved_medians(candidates: list, run, warmup: int = WARMUP,

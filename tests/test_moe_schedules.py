@@ -223,15 +223,16 @@ def test_tune_runs_off_a_close_call():
         reduced.append(list(medians))
         return medians
 
-    seconds = measured_seconds(["a", "b", "c"], run, reduce)
+    seconds, run_off = measured_seconds(["a", "b", "c"], run, reduce)
+    assert run_off == ("b", "a")
     assert min(seconds, key=seconds.get) == "a"
     assert seconds == pytest.approx({"a": 3.0e-3, "b": 3.1e-3, "c": 5.0e-3})
     assert len(calls) == 3 + 5 * 3 + 6 * 2 and set(calls[18:]) == {"a", "b"}
     assert reduced[0] == pytest.approx([3.0e-3, 2.9e-3, 5.0e-3]) and len(reduced) == 2
 
     calls.clear()
-    seconds = measured_seconds(["a", "c"], run)
-    assert len(calls) == 2 + 5 * 2 and seconds == pytest.approx({"a": 3e-3, "c": 5e-3})
+    seconds, run_off = measured_seconds(["a", "c"], run)
+    assert len(calls) == 2 + 5 * 2 and run_off == () and seconds == pytest.approx({"a": 3e-3, "c": 5e-3})
 
 
 def test_tune_cache_path(monkeypatch):

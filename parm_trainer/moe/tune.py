@@ -136,8 +136,8 @@ def interleaved_medians(candidates: list, run, warmup: int = WARMUP,
     return [statistics.median(times[candidate]) for candidate in candidates]
 
 
-def measured_seconds(candidates: list, run, reduce=lambda seconds: seconds) -> dict:
-    """{candidate: seconds}: the medians of interleaved_times, reduced over ranks (reduce maps
+def measured_seconds(candidates: list, run, reduce=lambda seconds: seconds) -> tuple:
+    """({candidate: seconds}, the two candidates of the run-off or ()): the medians of interleaved_times, reduced over ranks (reduce maps
     the list of medians to the list every rank agrees on: the max over ranks), and where the
     runner-up lies within RUNOFF_MARGIN of the fastest, RUNOFF_ROUNDS more interleaved runs of
     the two alone, their medians then over all their runs. Five runs each leave the medians
@@ -155,8 +155,8 @@ def measured_seconds(candidates: list, run, reduce=lambda seconds: seconds) -> d
             for candidate, more in interleaved_times([first, second], run, warmup=0,
                                                      rounds=RUNOFF_ROUNDS).items():
                 times[candidate] += more
-            seconds = reduced()
-    return seconds
+            return reduced(), (first, second)
+    return seconds, ()
 
 
 def _build(args, config, name, device):
@@ -172,7 +172,8 @@ def _build(args, config, name, device):
 def _measure(args, candidates) -> dict:
     """Seconds of one forward + backward of the layer per candidate: the median of ROUNDS
     interleaved passes (and a run-off's, measured_seconds) on random tokens of the real shape
-    on the real process groups, max over ranks (so every rank makes the same choice)."""
+    on the real process groups, max over ranks (so every rank makes the same choice); and the
+    run-off's two candidates, or ()."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
@@ -250,10 +251,11 @@ def tune_at_startup(args, log=print) -> None:
     entry, source = cached[0], f"cached in {path}"
     if entry is None:
         start = time.perf_counter()
-        measured = _measure(args, candidates)
+        measured, run_off = _measure(args, candidates)
         best = min(measured, key=measured.get)
         entry = {"choice": list(best), "measured_ms": {f"{n} r={r}": round(s * 1e3, 3)
                                                      for (n, r), s in measured.items()},
+                 "run_off": [f"{n} r={r}" for n, r in run_off],
                  "when": time.strftime("%Y-%m-%d %H:%M:%S")}
         source = f"measured at start-up in {time.perf_counter() - start:.1f} s"
         if rank0 and path:
@@ -264,6 +266,10 @@ def tune_at_startup(args, log=print) -> None:
                 source += f" (not cached: {error.strerror} for {path})"
     name, r = entry["choice"]
     times = ", ".join(f"{c} {ms:.2f} ms" for c, ms in entry["measured_ms"].items())
+    run_off = entry.get("run_off")
+    if run_off:
+        times += f" ({' and '.join(run_off)} within {RUNOFF_MARGIN * 100:.0f} %: "\
+                 f"{RUNOFF_ROUNDS} more runs each)"
     log(f"--moe-parm-schedule {args.moe_parm_schedule} --moe-parm-chunks "
         f"{args.moe_parm_chunks}: forward+backward per MoE layer {times} ({source}); "
         f"using {name} with --moe-parm-chunks {r}")

@@ -129,16 +129,10 @@ def round_order(items: list, k: int) -> list:
     return order
 
 
-def interleaved_medians(candidates: list, run, warmup: int = WARMUP,
-                        rounds: int = ROUNDS) -> list:
-    """Each candidate's median of interleaved_times, in the order of candidates."""
-    times = interleaved_times(candidates, run, warmup, rounds)
-    return [statistics.median(times[candidate]) for candidate in candidates]
-
-
 def measured_seconds(candidates: list, run, reduce=lambda seconds: seconds) -> tuple:
-    """({candidate: seconds}, the two candidates of the run-off or ()): the medians of interleaved_times, reduced over ranks (reduce maps
-    the list of medians to the list every rank agrees on: the max over ranks), and where the
+    """({candidate: seconds}, the two candidates of the run-off or ()): the medians of
+    interleaved_times, reduced over ranks (reduce maps the list of medians to the list every
+    rank agrees on: the max over ranks), and where the
     runner-up lies within RUNOFF_MARGIN of the fastest, RUNOFF_ROUNDS more interleaved runs of
     the two alone, their medians then over all their runs. Five runs each leave the medians
     5-10 % apart from one launch to the next on a shared machine, as much as two depths or

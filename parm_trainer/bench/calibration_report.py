@@ -27,8 +27,8 @@ def report(args, backend, world, per_node, hosts, measured, local, shares, remot
     for link in LINKS:
         if link not in fits:
             other = "intra" if link == "inter" else "inter"
-            notes.append(f"'{link}' not measured (no {'multi-node' if link == 'inter' else 'intra-node'}"
-                         f" group): copied from '{other}'")
+            kind = "multi-node" if link == "inter" else "intra-node"
+            notes.append(f"'{link}' not measured (no {kind} group): copied from '{other}'")
     if hosts == 1 and "inter" in measured:
         notes.append(f"one host: 'inter' groups (--gpus-per-node {per_node}) did not cross a "
                      "network")

@@ -40,8 +40,8 @@ def _trial(args, name):
         return trial
     if name in peers.MEGATRON:
         megatron.configure(trial, name)
-    elif depth_row(name):
-        trial.moe_parm_schedule, trial.moe_parm_chunks = depth_row(name)
+    elif depth := depth_row(name):
+        trial.moe_parm_schedule, trial.moe_parm_chunks = depth
     else:
         trial.moe_parm_schedule = name
     said = []

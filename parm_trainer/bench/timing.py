@@ -2,12 +2,13 @@
 
 The median of --iters iterations after --warmup, per rank, each iteration started by a barrier
 on all ranks (untimed; torch.cuda.synchronize on GPU), the schedules' iterations interleaved
-(one of each in turn, so a drift of the machine's speed touches all alike; each turn in an
-order of its own, moe/tune.py's round_order, so none always follows the same one): forward,
-backward and their sum per
-iteration, reported for rank 0 and as the max over ranks. A row's time (fwd+bwd, the ratio,
-x floor) is the max over ranks of the median sum: a rank slow in the forward waits less in the
-backward, so the sum of the two phases' maxima would count one wait twice.
+as auto's start-up measurement interleaves its candidates (moe/tune.py's interleaved_times:
+every schedule's warm-up first, then one of each in turn, so a drift of the machine's speed
+touches all alike, each turn in an order of its own, so none always follows the same one):
+forward, backward and their sum per iteration, reported for rank 0 and as the max over ranks.
+A row's time (fwd+bwd, the ratio, x floor) is the max over ranks of the median sum: a rank
+slow in the forward waits less in the backward, so the sum of the two phases' maxima would
+count one wait twice.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from parm_trainer.bench.layout import sync
 from parm_trainer.bench.replica import clear_tracker
-from parm_trainer.moe.tune import round_order
+from parm_trainer.moe.tune import interleaved_times
 
 
 def median(values):
@@ -58,14 +59,12 @@ def time_schedules(timed: dict, args) -> None:
     """Fill each result's forward_ms, backward_ms and total_ms (forward + backward of one
     iteration; its max over ranks is the row's time), the rows' iterations interleaved as the
     module docstring says. timed: {name: (result, step)}."""
-    times = {name: [] for name in timed}  # (forward, backward) per iteration
-    names = list(timed)
-    for i in range(args.warmup + args.iters):
-        for name in round_order(names, i):
-            clear_tracker()
-            *_, f, b = timed[name][1]()
-            if i >= args.warmup:
-                times[name].append((f, b))
+    def run(name):
+        clear_tracker()
+        *_, f, b = timed[name][1]()
+        return f, b
+
+    times = interleaved_times(list(timed), run, args.warmup, args.iters)  # (fwd, bwd) each
     clear_tracker()
     for name, (result, _) in timed.items():
         mine = [median([t[k] for t in times[name]]) for k in range(2)]

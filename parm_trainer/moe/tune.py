@@ -103,10 +103,11 @@ def _sync():
 
 def interleaved_times(candidates: list, run, warmup: int = WARMUP,
                       rounds: int = ROUNDS) -> dict:
-    """{candidate: [seconds of each of `rounds` timed runs]} (run(candidate) -> seconds), after
-    `warmup` untimed runs of every candidate. Each round times every candidate once, in the
-    order round_order gives, so that a slow stretch of the machine (or the first use of a
-    process group) touches the candidates alike instead of falling on all of one's passes."""
+    """{candidate: [what each of `rounds` timed runs returned]} (run(candidate) -> its seconds,
+    or any figures), after `warmup` untimed runs of every candidate. Each round times every
+    candidate once, in the order round_order gives, so that a slow stretch of the machine (or
+    the first use of a process group) touches the candidates alike instead of falling on all
+    of one's passes."""
     for candidate in candidates:
         for _ in range(warmup):
             run(candidate)
@@ -132,11 +133,11 @@ def round_order(items: list, k: int) -> list:
 def measured_seconds(candidates: list, run, reduce=lambda seconds: seconds) -> tuple:
     """({candidate: seconds}, the two candidates of the run-off or ()): the medians of
     interleaved_times, reduced over ranks (reduce maps the list of medians to the list every
-    rank agrees on: the max over ranks), and where the
-    runner-up lies within RUNOFF_MARGIN of the fastest, RUNOFF_ROUNDS more interleaved runs of
-    the two alone, their medians then over all their runs. Five runs each leave the medians
-    5-10 % apart from one launch to the next on a shared machine, as much as two depths or
-    schedules often differ: the run-off spends its seconds only on such a close call."""
+    rank agrees on: the max over ranks), and where the runner-up lies within RUNOFF_MARGIN of
+    the fastest, RUNOFF_ROUNDS more interleaved runs of the two alone, their medians then over
+    all their runs. Five runs each leave the medians 5-10 % apart from one launch to the next
+    on a shared machine, as much as two depths or schedules often differ: the run-off spends
+    its seconds only on such a close call."""
     times = interleaved_times(candidates, run)
 
     def reduced() -> dict:
@@ -163,7 +164,7 @@ def _build(args, config, name, device):
     return layer.to(torch.bfloat16) if args.bf16 else layer
 
 
-def _measure(args, candidates) -> dict:
+def _measure(args, candidates) -> tuple:
     """Seconds of one forward + backward of the layer per candidate: the median of ROUNDS
     interleaved passes (and a run-off's, measured_seconds) on random tokens of the real shape
     on the real process groups, max over ranks (so every rank makes the same choice); and the

@@ -3,9 +3,11 @@ that runs pretrain_gpt_moe.py under torchrun and reads back its per-iteration lo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -107,7 +109,9 @@ def tiny_gpt_args(data, **overrides) -> list:
     return args
 
 
-LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+# PYTHONFAULTHANDLER: a rank that gets SIGABRT prints every thread's Python stack first (what
+# a launch past its timeout is sent before it is killed, so that a hang says where it hung)
+LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONFAULTHANDLER": "1"}
 _SERVER = {}
 
 
@@ -132,11 +136,31 @@ def _stop_torchrun_server():
         os.unlink(_SERVER["socket"])
 
 
+def _abort_one_by_one(group: int) -> None:
+    """SIGABRT to every rank of a launch (process group `group`, led by torchrun's agent), one at
+    a time, so that each prints its stacks (PYTHONFAULTHANDLER) without interleaving another's;
+    the agent is stopped first, or it would end the other ranks when the first one dies."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(group, signal.SIGSTOP)
+    ranks = []
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[2]) == group and int(entry) != group:
+                ranks.append(int(entry))  # field 5 of stat: the process group
+    for rank in sorted(ranks):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank, signal.SIGABRT)
+        time.sleep(0.3)
+
+
 def torchrun(argv: list, env: dict = None, timeout: float = 300, real: bool = False) -> tuple:
     """`torchrun ARGV` in ROOT: (exit status, stdout and stderr together). Through
     tests/torchrun_server.py (torchrun's --run-path --start-method fork, from a process that
     imported torch and megatron-core once); with `real` or PARM_TEST_REAL_TORCHRUN=1, the real
-    command. A launch past `timeout` is killed, every rank with it, and fails the test."""
+    command. A launch past `timeout` is killed, every rank with it, and fails the test with
+    the end of its output, where each rank has printed its stacks (SIGABRT first, to
+    each in turn)."""
     env = {**os.environ, **LAUNCH_ENV, **(env or {})}
     argv = [str(a) for a in argv]
     if real or os.environ.get("PARM_TEST_REAL_TORCHRUN") == "1":
@@ -154,8 +178,13 @@ def torchrun(argv: list, env: dict = None, timeout: float = 300, real: bool = Fa
         try:
             status = int(replies.readline())
         except TimeoutError:
-            os.killpg(pid, 9)
-            raise subprocess.TimeoutExpired(["torchrun", *argv], timeout)
+            _abort_one_by_one(pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            text = output.read_text(errors="replace")
+            output.unlink()
+            pytest.fail(f"torchrun {' '.join(argv)}: past its {timeout} s, killed; its output "
+                        f"(each rank's stacks at the end):\n{text[-30000:]}")
     text = output.read_text(errors="replace")
     output.unlink()
     return status, text

@@ -4,7 +4,8 @@ A stopped rank ends the whole job within the watchdog's limit, named in one line
 at any phase or failing on a full disk (also written in the background, --async-save) leaves
 the previous checkpoint latest and loadable, and the next start names what was left over. (A
 rank killed mid-run under MAX_RESTARTS, during a background save: test_checkpoint_resume.py; a
-corrupt latest checkpoint and --ckpt-fallback: test_bad_input.py.)
+corrupt latest checkpoint and --ckpt-fallback: test_bad_input.py.) And the tests' own: a
+launch that hangs fails its test at the timeout with every rank's stack.
 """
 
 import os
@@ -132,3 +133,20 @@ def test_save_on_a_full_disk_keeps_the_previous_checkpoint(gpt_data, tmp_path):
             "iter_0000002", "latest_checkpointed_iteration.txt"]
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_a_launch_past_its_timeout_fails_with_where_each_rank_hung(tmp_path):
+    """The tests' own launcher (conftest.torchrun): a launch that hangs is stopped at its
+    timeout, every rank with it, and the test fails with each process's Python stack, so a
+    rare hang in CI says where it hung."""
+    script = tmp_path / "hang.py"
+    script.write_text("import time\nimport torch.distributed as dist\n"
+                      "dist.init_process_group('gloo')\n"
+                      "def waits_forever():\n    time.sleep(600)\nwaits_forever()\n")
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception) as failed:
+        torchrun(["--nproc-per-node", 2, "--master-port", free_port(), script], timeout=10)
+    assert time.monotonic() - start < 30
+    message = str(failed.value)
+    assert "past its 10 s" in message
+    assert message.count(f'File "{script}", line 5 in waits_forever') == 2, message[-3000:]

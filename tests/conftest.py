@@ -113,6 +113,7 @@ def tiny_gpt_args(data, **overrides) -> list:
 # a launch past its timeout is sent before it is killed, so that a hang says where it hung)
 LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONFAULTHANDLER": "1"}
 _SERVER = {}
+RERUN_NOTE = "conftest.torchrun: a rank's rendezvous hung; the launch once more:"
 
 
 def _torchrun_server():
@@ -160,13 +161,24 @@ def torchrun(argv: list, env: dict = None, timeout: float = 300, real: bool = Fa
     imported torch and megatron-core once); with `real` or PARM_TEST_REAL_TORCHRUN=1, the real
     command. A launch past `timeout` is killed, every rank with it, and fails the test with
     the end of its output, where each rank has printed its stacks (SIGABRT first, to
-    each in turn)."""
+    each in turn). A launch where a rank's rendezvous hung (torchrun_server.watch_rendezvous:
+    the forked ranks' own hazard) runs once more."""
     env = {**os.environ, **LAUNCH_ENV, **(env or {})}
     argv = [str(a) for a in argv]
     if real or os.environ.get("PARM_TEST_REAL_TORCHRUN") == "1":
         result = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv], cwd=ROOT,
                                 capture_output=True, text=True, timeout=timeout, env=env)
         return result.returncode, result.stdout + result.stderr
+    from torchrun_server import RENDEZVOUS_HUNG
+
+    status, text = _served_launch(argv, env, timeout)
+    if RENDEZVOUS_HUNG in text:  # once more (torchrun_server.watch_rendezvous)
+        status, again = _served_launch(argv, env, timeout)
+        text = f"{text}\n{RERUN_NOTE}\n{again}"
+    return status, text
+
+
+def _served_launch(argv: list, env: dict, timeout: float) -> tuple:
     output = Path(f"/tmp/parm_torchrun_{os.getpid()}_{time.monotonic_ns()}.log")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
         client.connect(_torchrun_server())

@@ -106,6 +106,7 @@ def test_inter_alltoall_beta_is_per_byte_that_crosses(tmp_path, capsys):
 
 
 WAIT_SCRIPT = '''
+import statistics
 import torch, torch.distributed as dist
 from parm_trainer.bench import calibrate
 dist.init_process_group("gloo")
@@ -119,9 +120,12 @@ points = calibrate.measure_sync_wait(1, 0, torch.device("cpu"), 1, per_node=2, r
 burst = calibrate.measure_burst(2, torch.device("cpu"), per_node=2, pause=0.01)
 one_node = calibrate.measure_burst(2, torch.device("cpu"), per_node=4)
 if dist.get_rank() == 0:
+    # the points go round by round, collective by collective, stretch by stretch
+    stretch = [statistics.median(c for i, (c, _) in enumerate(points) if i % 3 == k)
+               for k in range(3)]
     print("groups", made, "points", len(points), "ok",
           all(chunk > 0 and wait >= 0 for chunk, wait in points),
-          "stretches", max(c for c, _ in points) > 3 * min(c for c, _ in points))
+          "stretches", stretch[2] > 3 * stretch[0])
     print("burst sizes", [b for b, _, _ in burst], "timed",
           all(s > 0 and p > 0 for _, s, p in burst), "one node", one_node)
 dist.destroy_process_group()

@@ -150,3 +150,32 @@ def test_a_launch_past_its_timeout_fails_with_where_each_rank_hung(tmp_path):
     message = str(failed.value)
     assert "past its 10 s" in message
     assert message.count(f'File "{script}", line 5 in waits_forever') == 2, message[-3000:]
+
+
+def test_a_launch_whose_rendezvous_hung_runs_once_more(tmp_path):
+    """The tests' launcher forks the ranks from torchrun's agent, and a forked rank can hang
+    making its store client (tests/torchrun_server.py, watch_rendezvous): such a rank says so
+    and exits, and conftest.torchrun runs the launch once more, once. Here every rank reports
+    the hang at once (PARM_TEST_RENDEZVOUS_HANG_S=0) while a flag file is absent; a launch
+    that hangs twice fails."""
+    from conftest import RERUN_NOTE
+    from torchrun_server import RENDEZVOUS_HUNG
+
+    flag = tmp_path / "hung_once"
+    script = tmp_path / "init.py"
+    script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                      "dist.barrier()\nprint('rank', dist.get_rank(), 'past init')\n")
+    launcher = tmp_path / "launcher.py"  # the hang on the first launch only
+    launcher.write_text(f"import os, runpy\nflag = {str(flag)!r}\n"
+                        "if os.environ['RANK'] == '1' and not os.path.exists(flag):\n"
+                        "    open(flag, 'w').close()\n"
+                        "    os.environ['PARM_TEST_RENDEZVOUS_HANG_S'] = '0'\n"
+                        f"runpy.run_path({str(script)!r}, run_name='__main__')\n")
+    status, output = torchrun(["--nproc-per-node", 2, "--master-port", free_port(), launcher],
+                              timeout=120)
+    assert RENDEZVOUS_HUNG in output and RERUN_NOTE in output, output[-3000:]
+    assert status == 0, output[-3000:]
+    assert output.count("past init") == 2  # the second launch only
+    status, output = torchrun(["--nproc-per-node", 2, "--master-port", free_port(), script],
+                              env={"PARM_TEST_RENDEZVOUS_HANG_S": "0"}, timeout=120)
+    assert status != 0 and output.count(RERUN_NOTE) == 1 and "past init" not in output

@@ -417,6 +417,29 @@ def test_init_is_deterministic(one_rank_world, schedule):
         assert not torch.equal(a[name], c[name]), f"{name}: different seeds, same weights"
 
 
+def test_auto_times_every_schedule_on_the_same_weights(one_rank_world):
+    """auto's start-up measurement builds one layer per schedule: all carry the same router
+    and expert weights (so both schedules route the same tokens to the same experts), where
+    two plain builds draw different ones."""
+    from parm_trainer.models.config import transformer_config
+    from parm_trainer.moe import tune
+
+    args = layout(1, *TINY)
+    config, cpu = transformer_config(args), torch.device("cpu")
+    def same(a, b):  # a state entry is a tensor, or None (extra state)
+        return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+    raw = [tune._build(args, config, name, cpu).state_dict() for name in ("s1", "s2")]
+    assert any(not same(raw[0][k], raw[1][k]) for k in raw[0]), \
+        "two builds should draw different weights, or the test proves nothing"
+    layers = tune._layers(args, config, ["s1", "s1", "s2"], cpu)
+    assert list(layers) == ["s1", "s2"]
+    assert [layer.plan.name for layer in layers.values()] == ["s1", "s2"]
+    one, two = (layer.state_dict() for layer in layers.values())
+    assert one.keys() == two.keys() and any("router" in k for k in one)
+    assert all(same(one[k], two[k]) for k in one)
+
+
 def test_init_std_and_vectors(one_rank_world):
     _, params = initialised(11, 3)
     scaled = STD / math.sqrt(2 * 2)

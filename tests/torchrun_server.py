@@ -25,6 +25,7 @@ import runpy
 import select
 import socket
 import sys
+import threading
 
 from parm_trainer.lazy_imports import asks_for_wandb
 
@@ -41,6 +42,46 @@ def preload() -> None:
         runpy.run_path(os.path.join(ROOT, script), run_name="__preload__")
     import torch._dynamo  # noqa: F401
     import torch.distributed.run  # noqa: F401
+
+
+# A rank that has not made its store client (the first step of init_process_group) after this
+# long says so and exits with this status, and conftest.torchrun runs the launch once more.
+RENDEZVOUS_HANG_S = 30.0
+RENDEZVOUS_HUNG = "torchrun_server: this rank's rendezvous hung"
+RENDEZVOUS_HUNG_EXIT = 75
+
+
+def watch_rendezvous() -> None:
+    """Ranks forked from torchrun's agent (start-method fork, which only this launcher uses; a
+    plain torchrun spawns them) inherit a process whose other threads were running, the agent's
+    store server among them; rarely (1 launch in about 200 of a 4-rank test) a rank then hangs
+    making its client of that store, at init_process_group, while the others wait for it in
+    gloo's connect. Each rank forked from here watches that step: past RENDEZVOUS_HANG_S it
+    prints RENDEZVOUS_HUNG and exits, so the launch fails at once instead of at its timeout,
+    with nothing of the test's script run beyond its init_process_group call.
+    PARM_TEST_RENDEZVOUS_HANG_S in a launch's environment sets the limit (0: hung at once)."""
+    import importlib
+
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")  # the module, not
+    create = rendezvous._create_c10d_store  # torch.distributed.rendezvous, the function
+
+    def hung() -> None:
+        os.write(2, f"\n{RENDEZVOUS_HUNG}\n".encode())
+        os._exit(RENDEZVOUS_HUNG_EXIT)
+
+    def watched(*args, **kwargs):
+        limit = float(os.environ.get("PARM_TEST_RENDEZVOUS_HANG_S", RENDEZVOUS_HANG_S))
+        if limit <= 0:  # the tests of this path: every rank reports a hang at once
+            hung()
+        timer = threading.Timer(limit, hung)
+        timer.daemon = True
+        timer.start()
+        try:
+            return create(*args, **kwargs)
+        finally:
+            timer.cancel()
+
+    rendezvous._create_c10d_store = watched
 
 
 def run_launch(request: dict) -> None:
@@ -110,4 +151,5 @@ def serve(path: str) -> None:
 if __name__ == "__main__":
     socket_path = sys.argv[1]
     preload()
+    watch_rendezvous()
     serve(socket_path)

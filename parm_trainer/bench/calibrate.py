@@ -193,7 +193,10 @@ def measure_sync_wait(repeats, warmup, device, calls, per_node, rounds=3) -> lis
         size = len(nodes[0])
     gemm = [call for (_, call), (rows, m, h) in zip(gemm_cases(device), GEMM_SHAPES)
             if (rows, m, h) == (1024, 64, 128)][0]
-    unit = torch.tensor([time_call(gemm, repeats, warmup, device, calls)], device=device)
+    # the unit sets every stretch's length: never from one sample (a preempted one would make
+    # all three stretches one GEMM long)
+    unit = torch.tensor([time_call(gemm, max(5, repeats), max(1, warmup), device, calls)],
+                        device=device)
     dist.all_reduce(unit, op=dist.ReduceOp.MAX)  # every rank repeats it as often
     chunks = []
     for target in WAIT_STRETCHES:

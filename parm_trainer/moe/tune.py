@@ -3,16 +3,17 @@
 The default run (no Parm flag) is auto with the pipeline depth chosen too. Given a profile
 (--moe-parm-cost-profile), the cost model chooses (auto.py). Without one, every rank builds
 this job's MoE layer under each candidate (s1 and s2, or the schedule given, at depths 1, 2
-and 4, or the depth given; those the layout admits), times forward + backward passes on random
-tokens of the real shape on the real process groups, in rounds that take every candidate in
-turn (interleaved_times), and takes the fastest (the max over ranks of the median, so every
-rank makes the same choice), after a run-off of the two fastest where they lie within 10 % of
-each other (measured_seconds). That takes seconds. The result is cached in a JSON file
-(--moe-parm-tune-cache, default $PARM_TRAINER_CACHE_DIR or ~/.cache/parm_trainer, file
-moe_tune.json) under a key naming the cluster (world size, ranks per node, backend, device,
-host names) and the layer (layout, shape, dtype, exchange), so a later run of the same layer on
-the same cluster reads it instead. Rank 0 reads and writes the cache and broadcasts the choice;
-the write goes to a temporary file renamed into place. The log says which path was taken.
+and 4, or the depth given; those the layout admits), all with one set of weights, times
+forward + backward passes on random tokens of the real shape on the real process groups, in
+rounds that take every candidate in turn (interleaved_times), and takes the fastest (the max
+over ranks of the median, so every rank makes the same choice), after a run-off of the two
+fastest where they lie within 10 % of each other (measured_seconds). That takes seconds. The
+result is cached in a JSON file (--moe-parm-tune-cache, default $PARM_TRAINER_CACHE_DIR or
+~/.cache/parm_trainer, file moe_tune.json) under a key naming the cluster (world size, ranks
+per node, backend, device, host names) and the layer (layout, shape, dtype, exchange), so a
+later run of the same layer on the same cluster reads it instead. Rank 0 reads and writes the
+cache and broadcasts the choice; the write goes to a temporary file renamed into place. The log
+says which path was taken.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def _key(args, candidates) -> str:
         "exchange": args.moe_parm_exchange, "candidates": [list(c) for c in candidates],
         # entries timed otherwise are re-measured
         "timing": f"interleaved {WARMUP}+{ROUNDS} shuffled, run-off {RUNOFF_ROUNDS} within "
-                  f"{RUNOFF_MARGIN:.0%}"},
+                  f"{RUNOFF_MARGIN:.0%}, one set of weights"},
         sort_keys=True)
 
 
@@ -164,6 +165,18 @@ def _build(args, config, name, device):
     return layer.to(torch.bfloat16) if args.bf16 else layer
 
 
+def _layers(args, config, names, device) -> dict:
+    """{schedule: its layer} for the distinct names, one layer per schedule (the depth is a
+    plain attribute), every one with the first one's weights: the same routing and experts,
+    so that the schedules are timed on the same work (two draws of the weights route the
+    tokens differently, enough to change which schedule is faster on a close call)."""
+    layers = {name: _build(args, config, name, device) for name in dict.fromkeys(names)}
+    first = next(iter(layers.values()))
+    for layer in layers.values():
+        layer.load_state_dict(first.state_dict())
+    return layers
+
+
 def _measure(args, candidates) -> tuple:
     """Seconds of one forward + backward of the layer per candidate: the median of ROUNDS
     interleaved passes (and a run-off's, measured_seconds) on random tokens of the real shape
@@ -180,9 +193,7 @@ def _measure(args, candidates) -> tuple:
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     model_parallel_cuda_manual_seed(args.seed)
     device = torch.device(rank_device())
-    # one layer per schedule (the depth is a plain attribute), so at most two sets of weights
-    layers = {name: _build(args, config, name, device) for name in dict.fromkeys(
-        name for name, _ in candidates)}
+    layers = _layers(args, config, [name for name, _ in candidates], device)
     seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
     gen = torch.Generator().manual_seed(1234 + torch.distributed.get_rank())
     x = torch.randn(seq, args.micro_batch_size, args.hidden_size, generator=gen).to(

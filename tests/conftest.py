@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from torchrun_server import RENDEZVOUS_HUNG
 
 ROOT = Path(__file__).resolve().parents[1]
 # auto's start-up measurements (parm_trainer/moe/tune.py), shared by this session's launches
@@ -169,8 +170,6 @@ def torchrun(argv: list, env: dict = None, timeout: float = 300, real: bool = Fa
         result = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv], cwd=ROOT,
                                 capture_output=True, text=True, timeout=timeout, env=env)
         return result.returncode, result.stdout + result.stderr
-    from torchrun_server import RENDEZVOUS_HUNG
-
     status, text = _served_launch(argv, env, timeout)
     if RENDEZVOUS_HUNG in text:  # once more (torchrun_server.watch_rendezvous)
         status, again = _served_launch(argv, env, timeout)
@@ -190,15 +189,15 @@ def _served_launch(argv: list, env: dict, timeout: float) -> tuple:
         try:
             status = int(replies.readline())
         except TimeoutError:
+            status = None
             _abort_one_by_one(pid)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-            text = output.read_text(errors="replace")
-            output.unlink()
-            pytest.fail(f"torchrun {' '.join(argv)}: past its {timeout} s, killed; its output "
-                        f"(each rank's stacks at the end):\n{text[-30000:]}")
     text = output.read_text(errors="replace")
     output.unlink()
+    if status is None:
+        pytest.fail(f"torchrun {' '.join(argv)}: past its {timeout} s, killed; its output "
+                    f"(each rank's stacks at the end):\n{text[-30000:]}")
     return status, text
 
 

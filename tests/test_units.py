@@ -426,6 +426,7 @@ def test_auto_times_every_schedule_on_the_same_weights(one_rank_world):
 
     args = layout(1, *TINY)
     config, cpu = transformer_config(args), torch.device("cpu")
+
     def same(a, b):  # a state entry is a tensor, or None (extra state)
         return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 

@@ -171,8 +171,8 @@ def _layers(args, config, names, device) -> dict:
     so that the schedules are timed on the same work (two draws of the weights route the
     tokens differently, enough to change which schedule is faster on a close call)."""
     layers = {name: _build(args, config, name, device) for name in dict.fromkeys(names)}
-    first = next(iter(layers.values()))
-    for layer in layers.values():
+    first, *others = layers.values()
+    for layer in others:
         layer.load_state_dict(first.state_dict())
     return layers
 

@@ -104,6 +104,11 @@ def _moe_group(parser):
                         "in one hop, never relayed) or padded (the dispatched (E, C, M) layout, "
                         "every expert padded to the capacity; also chosen by "
                         "--moe-pad-expert-input-to-capacity).")
+    g.add_argument("--moe-parm-local-first", action="store_true",
+                   help="In the exact exchange (not relayed), compute the rows a rank sends to "
+                        "its own EP rank apart, in two halves: one while the other ranks' rows "
+                        "travel out, one while the outputs travel back. auto (measured at "
+                        "start-up) tries it at --moe-parm-chunks 2 and sets it where faster.")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="Each rank's experts in grouped GEMMs (Megatron-LM's flag): Transformer "
                         "Engine's TEGroupedMLP with --transformer-impl transformer_engine, else "

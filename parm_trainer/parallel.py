@@ -138,6 +138,13 @@ def _validate_moe(args, tp, ep, etp) -> None:
                  f"divisible by --tensor-model-parallel-size {tp}")
     _require(getattr(args, "moe_parm_chunks", 1) >= 0,
              "--moe-parm-chunks must be at least 1 (or 0: chosen at start-up)")
+    if getattr(args, "moe_parm_local_first", False):
+        from parm_trainer.moe.auto import local_first_applies
+
+        _require(schedule in ("auto", "s1", "s2") and local_first_applies(args),
+                 "--moe-parm-local-first needs --moe-parm-schedule s1, s2 or auto with the "
+                 "exact exchange in one hop (not --moe-parm-exchange padded, not relayed "
+                 "through nodes) and --expert-model-parallel-size > 1")
 
 
 def _validate_batch(args) -> None:

@@ -28,13 +28,15 @@ def test_rows_of_schedules_and_peers():
     assert rows("--schedules", "s1,auto", "--peers", "deepspeed-ted,deepspeed") == [
         "s1", "auto", "deepspeed-ted", "deepspeed-ep", "deepspeed-dedup"]
     assert rows("--schedules", "s2,deepspeed") == ["s2", *peers.DEEPSPEED]
-    assert rows("--schedules", "s1/r2,s2/r16,auto") == ["s1/r2", "s2/r16", "auto"]
-    assert flags.depth_row("s2/r16") == ("s2", 16) and flags.depth_row("s1") is None
+    assert rows("--schedules", "s1/r2,s2/r16,auto,s1/r2/local") == [
+        "s1/r2", "s2/r16", "auto", "s1/r2/local"]
+    assert flags.depth_row("s2/r16") == ("s2", 16, False) and flags.depth_row("s1") is None
+    assert flags.depth_row("s1/r2/local") == ("s1", 2, True)
     for bad, said in ((["--peers", "s1"], "--peers: unknown ['s1']"),
                       (["--peers", ""], "--peers: unknown []"),
                       (["--schedules", "s3"], "--schedules: unknown ['s3']"),
-                      (["--schedules", "s1/r0,baseline/r2"],
-                       "--schedules: unknown ['s1/r0', 'baseline/r2']"),
+                      (["--schedules", "s1/r0,baseline/r2,s1/local"],
+                       "--schedules: unknown ['s1/r0', 'baseline/r2', 's1/local']"),
                       (["--peers", "deepspeed", "--bf16"], "--bf16: the DeepSpeed peers")):
         with pytest.raises(flags.ToolError, match=said.replace("[", r"\[").replace("]", r"\]")):
             rows(*bad)

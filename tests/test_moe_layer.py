@@ -234,7 +234,9 @@ BYTES_FLAGS = {"seq-length": 64, "micro-batch-size": 2, "hidden-size": 64,
 
 EXACT_BYTES = {"exact-bytes-sp": ((2, 2, 2, True), {"moe-parm-chunks": 2}),
                "exact-bytes-ep4": ((1, 4, 1, False), {"moe-router-topk": 3, "num-experts": 8,
-                                                      "moe-parm-chunks": 4})}
+                                                      "moe-parm-chunks": 4}),
+               # this EP rank's own rows computed apart: the same bytes on the wire
+               "exact-bytes-local": ((2, 2, 2, True), {"schedules": "s1/r2/local,s2/r1/local"})}
 
 
 RELAY_BYTES = {"relay-bytes": ((1, 4, 1, False), {"moe-router-topk": 3, "num-experts": 8,
@@ -283,6 +285,13 @@ def test_four_ranks_every_layout_chunks_and_bytes(tmp_path):
                                           {"moe-expert-capacity-factor": 1.0}),
                                          ((1, 4, 1, False), "top3-chunks4", 4,
                                           {"moe-router-topk": 3}))],
+        # this EP rank's own rows computed apart (--moe-parm-local-first), top-1 to top-4,
+        # dropless and dropping, at depths 1, 2 and 4
+        *[config(2, 2, 2, sp=sp, name=f"local-first-top{k}{'-drop' if f else ''}",
+                 **{"moe-router-topk": k, "moe-expert-capacity-factor": f,
+                    "schedules": "s1/r1/local,s1/r2/local,s2/r1/local,s2/r4/local",
+                    **(PRE_SOFTMAX if k == 1 else {})})
+          for k, f, sp in ((1, 1.0, False), (2, None, True), (3, None, True), (4, 1.0, False))],
         # the exact exchange's bytes against the routing (EXACT_BYTES)
         *[config(*layout, name=name, **{"schedules": "s1,s2", **extra})
           for name, (layout, extra) in EXACT_BYTES.items()],
@@ -336,7 +345,8 @@ def test_four_ranks_every_layout_chunks_and_bytes(tmp_path):
                 assert 2 * sum(a2a[schedule][r] for r in group) == base, (name, schedule)
     for name, (layout, extra) in EXACT_BYTES.items():
         check_exact_bytes(runs[name], tmp_path / "dump" / name, *layout[:3],
-                          topk=extra.get("moe-router-topk", 2))
+                          topk=extra.get("moe-router-topk", 2),
+                          schedules=extra.get("schedules", "s1,s2").split(","))
     for name, (layout, extra) in RELAY_BYTES.items():
         check_relay_bytes(runs[name], tmp_path / "dump" / name, *layout[:3],
                           topk=extra["moe-router-topk"], per_node=extra["ranks-per-node"])
@@ -402,6 +412,9 @@ def test_eight_ranks(tmp_path):
                                 (4, 2, None))]
     # relayed with ESP 2 and SP: EP groups {0, 2, 4, 6} and {1, 3, 5, 7} on 2 "nodes" of 4
     # ranks (dropping is relayed on 4 ranks)
+    configs.append(config(2, 4, 2, sp=True, name="local-first-top3",
+                          **{"num-experts": 8, "moe-router-topk": 3,
+                             "schedules": "s1/r2/local,s2/r1/local"}))
     configs.append(config(2, 4, 2, sp=True, name="relay-top3-r2-sp",
                           **{"num-experts": 8, "moe-router-topk": 3, "moe-parm-chunks": 2,
                              "ranks-per-node": 4, "schedules": "s1,s2"}))

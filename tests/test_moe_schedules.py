@@ -148,14 +148,33 @@ def test_auto_without_a_profile_is_left_to_the_start_up_measurement():
     schedules at a depth given (tune.py measures them)."""
     from parm_trainer.moe.auto import resolve_auto_schedule
 
-    for argv, want in (([], [(n, r) for n in ("s1", "s2") for r in (1, 2, 4)]),
-                       (["--moe-parm-schedule", "s2"], [("s2", 1), ("s2", 2), ("s2", 4)]),
-                       (["--moe-parm-chunks", "2"], [("s1", 2), ("s2", 2)])):
+    ep2 = ["--expert-model-parallel-size", "2"]
+    local = [("s1", 2, True), ("s2", 2, True)]
+    for argv, want in (([], [(n, r, False) for n in ("s1", "s2") for r in (1, 2, 4)]),
+                       (["--moe-parm-schedule", "s2"], [("s2", r, False) for r in (1, 2, 4)]),
+                       (["--moe-parm-chunks", "2"], [("s1", 2, False), ("s2", 2, False)]),
+                       # with an EP group to send to: depth 2 with the local rows first too
+                       (ep2, [(n, r, False) for n in ("s1", "s2") for r in (1, 2, 4)] + local),
+                       (ep2 + ["--moe-parm-chunks", "2"], [(n, 2, False) for n in ("s1", "s2")]),
+                       (ep2 + ["--moe-parm-local-first"],
+                        [(n, r, True) for n in ("s1", "s2") for r in (1, 2, 4)]),
+                       (ep2 + ["--moe-parm-exchange", "padded"],
+                        [(n, r, False) for n in ("s1", "s2") for r in (1, 2, 4)])):
         args = parse_args(["--num-experts", "4", "--disable-bias-linear", *argv], world_size=2)
         said = []
         resolve_auto_schedule(args, log=said.append)
         assert args.moe_parm_tune_candidates == want and not said
         validate_layout(args)  # "auto" and depth 0 pass until they are resolved
+    # relayed through nodes (EP 4 on 2 nodes of 2 ranks), the local rows are a node's: not
+    # tried, and refused when asked for, as with no EP group or the padded exchange
+    ep4 = ["--expert-model-parallel-size", "4", "--ranks-per-node", "2", "--moe-router-topk", "2"]
+    args = parse_args(["--num-experts", "4", "--disable-bias-linear", *ep4], world_size=4)
+    resolve_auto_schedule(args)
+    assert all(not local for *_, local in args.moe_parm_tune_candidates)
+    for world, argv in ((4, ep4), (2, []), (2, [*ep2, "--moe-parm-exchange", "padded"])):
+        with pytest.raises(LayoutError, match="--moe-parm-local-first needs"):
+            _layout(world, *argv, "--moe-parm-local-first")
+    _layout(2, *ep2, "--moe-parm-local-first")
     args = parse_args(["--num-experts", "4", "--moe-parm-schedule", "megatron"], world_size=1)
     resolve_auto_schedule(args)
     assert args.moe_parm_chunks == 1 and not getattr(args, "moe_parm_tune_candidates", None)
@@ -166,12 +185,15 @@ def test_tune_cache_survives_a_corrupt_file(tmp_path):
 
     path = tmp_path / "sub" / "tune.json"
     assert tune._read(str(path), "k") is None  # missing
-    tune._write(str(path), "k", {"choice": ["s1", 2], "measured_ms": {"s1 r=2": 1.0}})
-    assert tune._read(str(path), "k")["choice"] == ["s1", 2]
+    tune._write(str(path), "k", {"choice": ["s1", 2, True],
+                                 "measured_ms": {"s1 r=2 local first": 1.0}})
+    assert tune._read(str(path), "k")["choice"] == ["s1", 2, True]
     path.write_text("{not json")
     assert tune._read(str(path), "k") is None
-    tune._write(str(path), "k2", {"choice": ["s2", 1], "measured_ms": {}})  # rewritten whole
-    assert tune._read(str(path), "k2")["choice"] == ["s2", 1]
+    tune._write(str(path), "k2", {"choice": ["s2", 1, False], "measured_ms": {}})  # rewritten whole
+    assert tune._read(str(path), "k2")["choice"] == ["s2", 1, False]
+    tune._write(str(path), "k3", {"choice": ["s2", 1], "measured_ms": {}})  # an older entry
+    assert tune._read(str(path), "k3") is None
     assert not list(path.parent.glob("*.tmp*"))
 
 

@@ -27,6 +27,9 @@ LAYOUTS = {
     # gradients reduced in small buckets during the backward
     "tp2_ep2_esp2_s2": (4, {**TP2_EP2_ESP2_SP, "moe-parm-schedule": "s2",
                             "overlap-grad-reduce": True, "ddp-bucket-size": 4000}),
+    # this EP rank's own rows computed apart, in two halves around the two-piece exchange
+    "tp2_ep2_esp2_local_first": (4, {**TP2_EP2_ESP2_SP, "moe-parm-schedule": "s1",
+                                     "moe-parm-chunks": 2, "moe-parm-local-first": True}),
     "tp2_ep2_esp2_baseline": (4, {**TP2_EP2_ESP2_SP, "moe-parm-schedule": "baseline"}),
     # EP 4 over 2 "nodes" of 2 ranks: the exact exchange relays (one link hop per node)
     "ep4_relayed": (4, {"expert-model-parallel-size": 4, "ranks-per-node": 2,
@@ -254,20 +257,24 @@ def test_default_auto_measures_then_reads_its_cache(reference, gpt_data, tmp_pat
             if line.startswith("--moe-parm-schedule auto --moe-parm-chunks 0:")]
     assert len(said) == 1, first.output[-4000:]
     assert "measured at start-up in" in said[0] and f"cached in {cache}" in said[0]
-    for candidate in ("s1 r=1", "s1 r=2", "s1 r=4", "s2 r=1", "s2 r=2", "s2 r=4"):
+    for candidate in ("s1 r=1", "s1 r=2", "s1 r=4", "s2 r=1", "s2 r=2", "s2 r=4",
+                      "s1 r=2 local first", "s2 r=2 local first"):
         assert f"{candidate} " in said[0], said[0]
     table = json.loads(cache.read_text())
     (entry,) = table.values()
-    name, chunks = entry["choice"]
-    assert said[0].endswith(f"using {name} with --moe-parm-chunks {chunks}")
-    assert entry["measured_ms"][f"{name} r={chunks}"] == min(entry["measured_ms"].values())
+    name, chunks, local = entry["choice"]
+    using = f"using {name} with --moe-parm-chunks {chunks}" + \
+        (" --moe-parm-local-first" if local else "")
+    assert said[0].endswith(using)
+    label = f"{name} r={chunks}" + (" local first" if local else "")
+    assert entry["measured_ms"][label] == min(entry["measured_ms"].values())
     # a close call between the two fastest is timed again (tune.measured_seconds)
     assert all(c in entry["measured_ms"] for c in entry["run_off"])
     assert not entry["run_off"] or f"{' and '.join(entry['run_off'])} within 10 %" in said[0]
     again = [line for line in second.output.splitlines()
              if line.startswith("--moe-parm-schedule auto --moe-parm-chunks 0:")]
     assert len(again) == 1 and f"(cached in {cache})" in again[0], second.output[-4000:]
-    assert again[0].endswith(f"using {name} with --moe-parm-chunks {chunks}")
+    assert again[0].endswith(using)
 
 
 # --- stages: uneven, dense layers between MoE layers, interleaved 1F1B -----------------------

@@ -21,7 +21,7 @@ from parm_trainer.moe.reference import ACTIVATION, ROUTER
 PARM = ("baseline", "s1", "s2", "auto")
 SCHEDULE_NAMES = (*PARM, *peers.NAMES)
 DEFAULT_ROWS = "baseline,s1,s2,megatron"
-DEPTH_ROW = re.compile(r"^(s1|s2)/r([1-9][0-9]*)$")
+DEPTH_ROW = re.compile(r"^(s1|s2)/r([1-9][0-9]*)(/local)?$")
 TOOL_HELP = f"""\
 bench_moe_layer: one MoE layer, forward and backward, under several schedules, each checked
 against parm_trainer/moe/reference.py, timed, and its collectives' bytes counted.
@@ -92,7 +92,7 @@ def rows(args) -> list:
                if s not in SCHEDULE_NAMES and s not in peers.GROUPS and not DEPTH_ROW.match(s)]
     if unknown or not schedules and not args.peers:
         raise ToolError(f"--schedules: unknown {unknown}; choose from {','.join(SCHEDULE_NAMES)} "
-                        "or s1/rN, s2/rN")
+                        "or s1/rN, s2/rN (s1/rN/local, s2/rN/local)")
     extra = _names(args.peers or "")
     unknown = [p for p in extra if p not in peers.NAMES and p not in peers.GROUPS]
     if unknown or args.peers is not None and not extra:
@@ -102,9 +102,10 @@ def rows(args) -> list:
 
 
 def depth_row(name: str):
-    """(schedule, depth) of a row s1/rN or s2/rN; None for any other row."""
+    """(schedule, depth, local first) of a row s1/rN or s2/rN, or with /local (s1/r2/local:
+    --moe-parm-local-first); None for any other row."""
     match = DEPTH_ROW.match(name)
-    return (match.group(1), int(match.group(2))) if match else None
+    return (match.group(1), int(match.group(2)), bool(match.group(3))) if match else None
 
 
 def parse(argv, world_size=None):

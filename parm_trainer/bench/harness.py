@@ -41,7 +41,7 @@ def _trial(args, name):
     if name in peers.MEGATRON:
         megatron.configure(trial, name)
     elif depth := depth_row(name):
-        trial.moe_parm_schedule, trial.moe_parm_chunks = depth
+        trial.moe_parm_schedule, trial.moe_parm_chunks, trial.moe_parm_local_first = depth
     else:
         trial.moe_parm_schedule = name
     said = []
@@ -80,7 +80,8 @@ def build_layer(name, config, args):
         layer = megatron.build(config, spec.submodules)
     else:
         layer = ParmMoELayer(config, spec.submodules, layer_number=1, schedule=name,
-                             chunks=args.moe_parm_chunks, exchange=args.moe_parm_exchange)
+                             chunks=args.moe_parm_chunks, exchange=args.moe_parm_exchange,
+                             local_first=args.moe_parm_local_first)
     layer.set_layer_number(1)  # as TransformerLayer does; the router tracks its aux loss by it
     return layer
 
@@ -121,6 +122,7 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
         "status": "ok",
         "plan": str(layer.plan) if hasattr(layer, "plan") else megatron.describe(args),
         "chunks": args.moe_parm_chunks,
+        "local_first": bool(args.moe_parm_local_first),
         "experts": type(layer.experts).__name__,  # SequentialMLP, GroupedMLP, TEGroupedMLP
         "auto_choice": args.auto_choice,
         "forward_ms": None,

@@ -100,7 +100,7 @@ def _row(name, r, unique_ms) -> tuple:
     d = r["max_abs_diff"]
     if r.get("auto_choice"):  # what the cost model chose: auto=s1/r4, or s1/r4 (chunks 0)
         name = (f"{name}={r['plan'].split(':')[0]}" if name == "auto" else name) + \
-            f"/r{r['chunks']}"
+            f"/r{r['chunks']}" + ("/local" if r.get("local_first") else "")
     total = total_ms(r)
     return (name,
             f"{fmt(f and f['rank0'], '.2f')}/{fmt(f and f['max'], '.2f')}",

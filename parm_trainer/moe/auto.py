@@ -56,6 +56,14 @@ def profile_source(args, profile: Profile) -> str:
 
 CHUNK_CHOICES = (1, 2, 4, 8)
 TUNE_DEPTHS = (1, 2, 4)
+LOCAL_FIRST_DEPTH = 2  # the depth at which start-up also times --moe-parm-local-first
+
+
+def local_first_applies(args) -> bool:
+    """Whether --moe-parm-local-first changes this job's exchange: exact and in one hop, with
+    an EP group to send to."""
+    return (args.expert_model_parallel_size > 1 and args.moe_parm_exchange != "padded"
+            and node_relay.relay_size(args, node_relay.ranks_per_node(args)) == 1)
 
 
 def resolve_auto_schedule(args, log=print) -> None:
@@ -75,7 +83,10 @@ def resolve_auto_schedule(args, log=print) -> None:
         return
     if not args.moe_parm_cost_profile:  # measured at start-up instead (tune.py)
         depths = TUNE_DEPTHS if auto_chunks else (args.moe_parm_chunks,)
-        args.moe_parm_tune_candidates = [(n, r) for n in names for r in depths]
+        local = bool(getattr(args, "moe_parm_local_first", False))
+        args.moe_parm_tune_candidates = [(n, r, local) for n in names for r in depths]
+        if auto_chunks and not local and local_first_applies(args):
+            args.moe_parm_tune_candidates += [(n, LOCAL_FIRST_DEPTH, True) for n in names]
         return
     shape = layer_shape(args)
     depths = CHUNK_CHOICES if auto_chunks else (args.moe_parm_chunks,)

@@ -25,6 +25,15 @@ k times and its k outputs sent back. This one sends what the routing needs and n
 Every piece's outbound AlltoAll is issued at once and later pieces travel while earlier ones
 compute, as in the padded exchange; the backward mirrors it (comm.start/finish).
 
+Local first (--moe-parm-local-first; one hop, EP > 1): the rows a rank sends to its own EP
+rank cross no link, yet in a piece they wait for the piece's AlltoAll. Here the pieces carry
+only the rows for the other EP ranks, and this rank's own rows are two more pieces of their
+own (the two halves of the tokens; ESP gather, experts, ESP reduce-scatter, no AlltoAll): the
+first computed while the first remote piece travels out, the second while the last one's
+outputs travel back (and, mirrored, in the backward). It costs one more ESP gather and
+reduce-scatter per half, so it pays where the link and the compute are of a size (auto
+times it at depth 2).
+
 Relayed (node_relay.py: an EP group with R >= 2 ranks on each of N >= 2 nodes, top-k >= 2;
 --moe-parm-exchange direct turns it off), step 2 sends each token once to each node holding
 one of its experts, to the EP rank at this rank's position there, with the R L weights of
@@ -70,6 +79,7 @@ def route(tokens, probs, keep) -> Routed:
 class _Piece:
     offset: int
     size: int
+    kind: str = "all"  # "all" destinations, "remote" (all but this EP rank) or "local" (it)
     send: list = None    # rows to each destination of the first hop (EP ranks, or nodes)
     recv: list = None    # rows from each of them
     esp: list = None     # rows each ESP rank receives (the ESP AllGather's counts)
@@ -125,7 +135,9 @@ def _agree_counts(pieces: list, masks: _Masks, ep: int, esp: int, me_ep: int, me
     pairs[rows[:, 0], rows[:, 1]] = rows[:, cut[1]:cut[2]].view(-1, count, experts)
     into_me = table[..., me_ep]  # (EP sender, ESP rank, P): rows for EP rank me_ep
     width = experts // ep
-    mine = pairs[..., me_ep * width:(me_ep + 1) * width].sum(dim=(0, 1))  # (P, L)
+    mine = pairs[..., me_ep * width:(me_ep + 1) * width]  # (EP sender, ESP rank, P, L)
+    only = {"all": slice(None), "local": [me_ep],
+            "remote": [s for s in range(ep) if s != me_ep]}  # the senders each kind takes
     if relay is not None:
         hops = masks.hop_goes.shape[1]
         by_node = torch.zeros(ep, esp, count, hops, dtype=torch.int64)  # sender's rows per node
@@ -134,11 +146,14 @@ def _agree_counts(pieces: list, masks: _Masks, ep: int, esp: int, me_ep: int, me
         at = lambda position: [a * per + position for a in range(relay.nodes)]  # noqa: E731
         relayed = table[at(pos), me_esp]  # (N senders at my position, P, EP)
     for i, piece in enumerate(pieces):
-        piece.esp = into_me[:, :, i].sum(dim=0).tolist()
-        piece.experts = mine[i].tolist()
+        senders = only[piece.kind]
+        piece.esp = into_me[senders, :, i].sum(dim=0).tolist()
+        piece.experts = mine[senders, :, i].sum(dim=(0, 1)).tolist()
         if relay is None:
-            piece.send = table[me_ep, me_esp, i].tolist()
-            piece.recv = into_me[:, me_esp, i].tolist()
+            keep = torch.zeros(ep, dtype=torch.bool)
+            keep[senders] = True
+            piece.send = table[me_ep, me_esp, i].where(keep, 0).tolist()
+            piece.recv = into_me[:, me_esp, i].where(keep, 0).tolist()
             continue
         piece.send = by_node[me_ep, me_esp, i].tolist()
         piece.recv = by_node[at(pos), me_esp, i, node].tolist()
@@ -161,10 +176,14 @@ def _nonzero(mask, count: int):
     return torch.nonzero_static(mask, size=count).unbind(dim=1)
 
 
-def _rows(piece: _Piece, masks: _Masks) -> None:
+def _rows(piece: _Piece, masks: _Masks, me: int) -> None:
     """The piece's rows to send: to each first-hop destination its tokens, once each, with that
-    destination's weights."""
+    destination's weights (a local piece: only this EP rank `me`; a remote one: all others)."""
     goes = masks.hop_goes.narrow(0, piece.offset, piece.size).t()
+    if piece.kind != "all":
+        keep = torch.zeros(goes.shape[0], 1, dtype=torch.bool, device=goes.device)
+        keep[me] = True
+        goes = goes & (keep if piece.kind == "local" else ~keep)
     dest, token = _nonzero(goes, sum(piece.send))
     piece.token = token + piece.offset
     piece.weights = _at(masks.hop, piece.token, dest)
@@ -203,6 +222,25 @@ def _experts_on_rows(layer, rows, hidden, counts: list):
     return x.new_zeros(x.shape[0], hidden).index_add(0, row, out)
 
 
+def _esp_experts(layer, rows, p: _Piece, hidden, esp_group, me_esp):
+    """ESP-AllGather-v of a piece's received rows, the local experts on them, and the partial
+    sums' ESP-ReduceScatter-v: this rank's rows' outputs (T, M)."""
+    rows = cu.run(rows, cu.counts_of("allgather", me_esp, counts=p.esp), esp_group, "esp")
+    out = _experts_on_rows(layer, rows, hidden, p.experts)
+    return cu.run(out, cu.counts_of("reducescatter", me_esp, counts=p.esp), esp_group, "esp")
+
+
+def _pieces(n: int, chunks: int, local_first: bool) -> list:
+    """The exchange's pieces of n tokens: `chunks` spans to every destination, or, local
+    first, the spans' rows to the other EP ranks and this rank's own rows in two halves (the
+    first computed while the remote pieces travel out, the second while they come back)."""
+    spans = comm.chunk_spans(n, chunks)
+    if not local_first:
+        return [_Piece(*span) for span in spans]
+    return ([_Piece(*span, "remote") for span in spans]
+            + [_Piece(*span, "local") for span in comm.chunk_spans(n, 2)])
+
+
 def exchange(layer, routed: Routed, gather_mp: bool):
     """The exact exchange of routed's tokens -> their MoE outputs (n, M), or with gather_mp
     every MP rank's, in MP rank order (G n, M)."""
@@ -212,40 +250,53 @@ def exchange(layer, routed: Routed, gather_mp: bool):
     me_esp = parallel_state.get_expert_tensor_parallel_rank()
     tokens, hidden = routed.tokens, routed.tokens.shape[1]
     relay = layer.relay
-    pieces = [_Piece(*span) for span in comm.chunk_spans(tokens.shape[0], layer.chunks)]
+    local_first = layer.local_first and relay is None and ep > 1
+    pieces = _pieces(tokens.shape[0], layer.chunks, local_first)
     if not pieces:
         return tokens.new_zeros(tokens.shape[0] * (layer.mp_size if gather_mp else 1), hidden)
     masks = _masks(routed, ep, relay)
     _agree_counts(pieces, masks, ep, esp, me_ep, me_esp, relay)
     for p in pieces:
-        _rows(p, masks)
+        _rows(p, masks, me_ep)
     link, me_link, name = ((ep_group, me_ep, "ep") if relay is None
                            else (relay.inter, relay.node, "ep_link"))
+    payload = lambda p: torch.cat([_at(tokens, p.token),  # noqa: E731
+                                   p.weights.to(tokens.dtype)], dim=-1)
+    sent = [p for p in pieces if p.kind != "local"]
+    local = [p for p in pieces if p.kind == "local"]
     outbound = []
-    for p in pieces:
-        payload = torch.cat([_at(tokens, p.token), p.weights.to(tokens.dtype)], dim=-1)
+    for p in sent:
         counts = cu.counts_of("alltoall", me_link, send=p.send, recv=p.recv)
-        outbound.append(cu.start(payload, counts, link, name))
+        outbound.append(cu.start(payload(p), counts, link, name))
+    computed = []  # the local pieces' (piece, outputs)
+    for p in local[:1]:
+        computed.append((p, _esp_experts(layer, payload(p), p, hidden, esp_group, me_esp)))
     inbound = []
-    for p, started in zip(pieces, outbound):
+    for p, started in zip(sent, outbound):
         rows = comm.finish(started)
         if relay is not None:
             received = rows.shape[0]
             rows, came_from = _forward_in_node(rows, p, relay, hidden)
-        rows = cu.run(rows, cu.counts_of("allgather", me_esp, counts=p.esp), esp_group, "esp")
-        out = _experts_on_rows(layer, rows, hidden, p.experts)
-        out = cu.run(out, cu.counts_of("reducescatter", me_esp, counts=p.esp), esp_group, "esp")
+        out = _esp_experts(layer, rows, p, hidden, esp_group, me_esp)
         if relay is not None:
             out = _back_in_node(out, came_from, received, p, relay)
         back = cu.counts_of("alltoall", me_link, send=p.recv, recv=p.send)
         inbound.append(cu.start(out, back, link, name))
+    for p in local[1:]:
+        computed.append((p, _esp_experts(layer, payload(p), p, hidden, esp_group, me_esp)))
+    base = None  # the local rows added into their tokens
+    for p, out in computed:
+        base = (tokens.new_zeros(tokens.shape[0], hidden) if base is None else base).index_add(
+            0, p.token, out)
     combined = []
-    for p, started in zip(pieces, inbound):
+    for p, started in zip(sent, inbound):
         rows = comm.finish(started)
-        out = rows.new_zeros(p.size, hidden).index_add(0, p.token - p.offset, rows)
+        into = (rows.new_zeros(p.size, hidden) if base is None
+                else base.narrow(0, p.offset, p.size))
+        out = into.index_add(0, p.token - p.offset, rows)
         combined.append(comm.start("gather", out, mp_group, "mp") if gather_mp else out)
     if not gather_mp:
         return torch.cat(combined, dim=0)
     gathered = [comm.finish(started) for started in combined]  # each (G size, M), rank order
     return torch.cat([piece.narrow(0, rank * p.size, p.size) for rank in range(layer.mp_size)
-                      for piece, p in zip(gathered, pieces)], dim=0)
+                      for piece, p in zip(gathered, sent)], dim=0)

@@ -54,7 +54,7 @@ class _Routing:
 class ParmMoELayer(MegatronModule):
     def __init__(self, config, submodules=None, layer_number: Optional[int] = None,
                  pg_collection=None, schedule: str = "s1", chunks: int = 1,
-                 exchange: str = "exact"):
+                 exchange: str = "exact", local_first: bool = False):
         super().__init__(config=config)
         self.layer_number = layer_number
         if schedule == "auto" or chunks < 1:
@@ -64,6 +64,7 @@ class ParmMoELayer(MegatronModule):
         self.plan = build_plan(schedule, config.sequence_parallel)
         self.step_labels = step_timing.labels(step.op for step in self.plan.steps)
         self.chunks = chunks
+        self.local_first = local_first  # exchange.py: this EP rank's own rows computed first
         if exchange not in EXCHANGES:
             raise ValueError(f"--moe-parm-exchange {exchange!r}: choose one of {EXCHANGES}")
         self.exact = exchange != "padded" and schedule != "baseline"  # DeepSpeed's TED pads

@@ -3,7 +3,8 @@
 The default run (no Parm flag) is auto with the pipeline depth chosen too. Given a profile
 (--moe-parm-cost-profile), the cost model chooses (auto.py). Without one, every rank builds
 this job's MoE layer under each candidate (s1 and s2, or the schedule given, at depths 1, 2
-and 4, or the depth given; those the layout admits), all with one set of weights, times
+and 4, or the depth given, and at depth 2 with --moe-parm-local-first where the exchange
+allows it; those the layout admits), all with one set of weights, times
 forward + backward passes on random tokens of the real shape on the real process groups, in
 rounds that take every candidate in turn (interleaved_times), and takes the fastest (the max
 over ranks of the median, so every rank makes the same choice), after a run-off of the two
@@ -76,7 +77,8 @@ def _read(path, key):
             entry = json.load(f).get(key)
     except (OSError, ValueError, AttributeError):
         return None
-    if isinstance(entry, dict) and isinstance(entry.get("choice"), list):
+    if isinstance(entry, dict) and isinstance(entry.get("choice"), list) and \
+            len(entry["choice"]) == 3:
         return entry
     return None
 
@@ -193,16 +195,16 @@ def _measure(args, candidates) -> tuple:
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     model_parallel_cuda_manual_seed(args.seed)
     device = torch.device(rank_device())
-    layers = _layers(args, config, [name for name, _ in candidates], device)
+    layers = _layers(args, config, [name for name, *_ in candidates], device)
     seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
     gen = torch.Generator().manual_seed(1234 + torch.distributed.get_rank())
     x = torch.randn(seq, args.micro_batch_size, args.hidden_size, generator=gen).to(
         device, torch.bfloat16 if args.bf16 else torch.float32)
 
     def run(candidate) -> float:
-        name, chunks = candidate
+        name, chunks, local = candidate
         layer = layers[name]
-        layer.chunks = chunks
+        layer.chunks, layer.local_first = chunks, local
         x_i = x.detach().requires_grad_()
         torch.distributed.barrier()
         start = time.perf_counter()
@@ -228,15 +230,20 @@ def runnable_candidates(args) -> list:
     from parm_trainer.parallel import LayoutError, validate_layout
 
     out = []
-    for name, r in args.moe_parm_tune_candidates:
+    for name, r, local in args.moe_parm_tune_candidates:
         trial = copy.copy(args)
         trial.moe_parm_schedule, trial.moe_parm_chunks = name, r
         try:
             validate_layout(trial)
         except LayoutError:
             continue
-        out.append((name, r))
+        out.append((name, r, local))
     return out
+
+
+def label(name: str, r: int, local: bool) -> str:
+    """A candidate as the log and the cache name it: "s1 r=2", "s1 r=2 local first"."""
+    return f"{name} r={r}" + (" local first" if local else "")
 
 
 def tune_at_startup(args, log=print) -> None:
@@ -259,9 +266,9 @@ def tune_at_startup(args, log=print) -> None:
         start = time.perf_counter()
         measured, run_off = _measure(args, candidates)
         best = min(measured, key=measured.get)
-        entry = {"choice": list(best), "measured_ms": {f"{n} r={r}": round(s * 1e3, 3)
-                                                     for (n, r), s in measured.items()},
-                 "run_off": [f"{n} r={r}" for n, r in run_off],
+        entry = {"choice": list(best), "measured_ms": {label(*c): round(s * 1e3, 3)
+                                                     for c, s in measured.items()},
+                 "run_off": [label(*c) for c in run_off],
                  "when": time.strftime("%Y-%m-%d %H:%M:%S")}
         source = f"measured at start-up in {time.perf_counter() - start:.1f} s"
         if rank0 and path:
@@ -270,7 +277,7 @@ def tune_at_startup(args, log=print) -> None:
                 source += f", cached in {path}"
             except OSError as error:
                 source += f" (not cached: {error.strerror} for {path})"
-    name, r = entry["choice"]
+    name, r, local = entry["choice"]
     times = ", ".join(f"{c} {ms:.2f} ms" for c, ms in entry["measured_ms"].items())
     run_off = entry.get("run_off")
     if run_off:
@@ -278,6 +285,7 @@ def tune_at_startup(args, log=print) -> None:
                  f"{RUNOFF_ROUNDS} more runs each)"
     log(f"--moe-parm-schedule {args.moe_parm_schedule} --moe-parm-chunks "
         f"{args.moe_parm_chunks}: forward+backward per MoE layer {times} ({source}); "
-        f"using {name} with --moe-parm-chunks {r}")
+        f"using {name} with --moe-parm-chunks {r}" + (" --moe-parm-local-first" if local else ""))
     args.moe_parm_schedule, args.moe_parm_chunks = name, int(r)
+    args.moe_parm_local_first = bool(local)
     args.moe_parm_tune_candidates = None

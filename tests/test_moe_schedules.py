@@ -146,6 +146,7 @@ def test_auto_without_a_profile_is_left_to_the_start_up_measurement():
     """No profile: nothing is decided before the process groups exist; the candidates are s1
     and s2 at depths 1, 2 and 4 by default, only the depths of a schedule given, only the
     schedules at a depth given (tune.py measures them)."""
+    from parm_trainer.moe import tune
     from parm_trainer.moe.auto import resolve_auto_schedule
 
     ep2 = ["--expert-model-parallel-size", "2"]
@@ -165,6 +166,7 @@ def test_auto_without_a_profile_is_left_to_the_start_up_measurement():
         resolve_auto_schedule(args, log=said.append)
         assert args.moe_parm_tune_candidates == want and not said
         validate_layout(args)  # "auto" and depth 0 pass until they are resolved
+        assert tune.runnable_candidates(args) == want  # each validated as it would run
     # relayed through nodes (EP 4 on 2 nodes of 2 ranks), the local rows are a node's: not
     # tried, and refused when asked for, as with no EP group or the padded exchange
     ep4 = ["--expert-model-parallel-size", "4", "--ranks-per-node", "2", "--moe-router-topk", "2"]

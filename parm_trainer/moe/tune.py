@@ -233,6 +233,7 @@ def runnable_candidates(args) -> list:
     for name, r, local in args.moe_parm_tune_candidates:
         trial = copy.copy(args)
         trial.moe_parm_schedule, trial.moe_parm_chunks = name, r
+        trial.moe_parm_local_first = local
         try:
             validate_layout(trial)
         except LayoutError:

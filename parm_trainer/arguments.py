@@ -108,7 +108,8 @@ def _moe_group(parser):
                    help="In the exact exchange (not relayed), compute the rows a rank sends to "
                         "its own EP rank apart, in two halves: one while the other ranks' rows "
                         "travel out, one while the outputs travel back. auto (measured at "
-                        "start-up) tries it at --moe-parm-chunks 2 and sets it where faster.")
+                        "start-up, or priced) tries it at --moe-parm-chunks 2 and sets it "
+                        "where faster.")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="Each rank's experts in grouped GEMMs (Megatron-LM's flag): Transformer "
                         "Engine's TEGroupedMLP with --transformer-impl transformer_engine, else "

@@ -125,3 +125,39 @@ def test_exact_exchange_bytes():
     assert fwd["alltoall/ep"] < padded[0]["alltoall/ep"]
     s2 = dict((s, (f, b)) for s, f, b in step_bytes("s2", shape, True))["pipeline[ep,esp,mp]"]
     assert s2[0]["allgather/mp"] == 64 * m * 4  # this rank's combined 1/G of the tokens
+
+
+def test_local_first_is_priced_as_its_pieces_run():
+    """--moe-parm-local-first in pipeline_s: the first local half runs while chunk 0 travels
+    out, the second while the last return travels back, and the gathers over MP wait for it;
+    in plan_cost, each half pays one more ESP gather and scatter: it wins where the link is
+    slow against the ESP calls, and loses where those calls' latency is all there is."""
+    from parm_trainer.moe.cost_model import pipeline_s
+
+    out, back = (0.0, 10.0), (0.0, 10.0)
+    assert pipeline_s(out, 4.0, back, (0.0, 0.0), 1) == 24.0
+    assert pipeline_s(out, 4.0, back, (0.0, 0.0), 1, local=(8.0, 8.0)) == 24.0  # hidden
+    # longer halves bound it: 12, then chunk 0 from 12 to 16, its return to 26, 12 more
+    assert pipeline_s(out, 4.0, back, (0.0, 0.0), 1, local=(12.0, 12.0)) == 28.0
+    assert pipeline_s(out, 4.0, back, (0.0, 5.0), 1, local=(12.0, 12.0)) == 33.0
+
+    shape = replace(SHAPE, capacity_factor=None, exact=True, chunks=2, sequence_parallel=True,
+                    hidden=512, ffn=1024)
+
+    def total(prof, local):
+        return plan_cost(build_plan("s1", True), replace(shape, local_first=local),
+                         prof)["total_s"]
+
+    # the link and the expert work of a size: the halves hide part of the work (all of it
+    # hides under a link far slower, and none is left to hide under a link far faster)
+    even = profile(intra_beta=1e-11, inter_beta=1e-8, compute=(0.0, 1e-11))
+    assert total(even, True) < 0.85 * total(even, False)
+    link_bound = profile(intra_beta=1e-11, inter_beta=1e-8, compute=(0.0, 1e-12))
+    assert total(link_bound, True) == pytest.approx(total(link_bound, False))
+    calls_only = profile(intra_beta=1e-15, inter_beta=1e-15, alpha=1e-3)
+    assert total(calls_only, True) > total(calls_only, False)
+    # with ESP 1 the halves add no collectives, and the call count says so
+    one = replace(shape, esp=1, mp=1, sequence_parallel=False)
+    cost = plan_cost(build_plan("s1", False), replace(one, local_first=True), calls_only)
+    assert cost["total_s"] == pytest.approx(
+        plan_cost(build_plan("s1", False), one, calls_only)["total_s"])

@@ -138,7 +138,9 @@ def test_auto_chunks_pipeline_a_slow_link(tmp_path):
     assert chosen in ("s1", "s2")
     assert "--moe-parm-schedule auto and --moe-parm-chunks 0" in line
     assert all(f"{n} r={r} " in line for n in ("s1", "s2") for r in (1, 2, 4, 8)), line
-    depth = int(line.rsplit("--moe-parm-chunks ", 1)[1])
+    # and, the exchange being exact and in one hop, depth 2 with the local rows first
+    assert all(f"{n} r=2 local first " in line for n in ("s1", "s2")), line
+    depth = int(line.rsplit("--moe-parm-chunks ", 1)[1].split()[0])
     assert depth > 1, line
 
 

@@ -29,7 +29,7 @@ def layer_shape(args, per_node=None) -> LayerShape:
         esp=args.expert_tensor_parallel_size, sequence_parallel=args.sequence_parallel,
         chunks=args.moe_parm_chunks,
         exact=args.moe_parm_exchange != "padded", gated=bool(getattr(args, "swiglu", False)),
-        relay=relay,
+        relay=relay, local_first=bool(getattr(args, "moe_parm_local_first", False)),
         dp=args.world_size // (args.tensor_model_parallel_size
                                * args.pipeline_model_parallel_size))
 
@@ -89,20 +89,28 @@ def resolve_auto_schedule(args, log=print) -> None:
             args.moe_parm_tune_candidates += [(n, LOCAL_FIRST_DEPTH, True) for n in names]
         return
     shape = layer_shape(args)
-    depths = CHUNK_CHOICES if auto_chunks else (args.moe_parm_chunks,)
+    depths = [(r, shape.local_first)
+              for r in (CHUNK_CHOICES if auto_chunks else (args.moe_parm_chunks,))]
+    if auto_chunks and not shape.local_first and local_first_applies(args):
+        depths.append((LOCAL_FIRST_DEPTH, True))
     predicted = {}
-    for r in depths:
-        for name, seconds in price_schedules(replace(shape, chunks=r), profile, names).items():
+    for r, local in depths:
+        priced = price_schedules(replace(shape, chunks=r, local_first=local), profile, names)
+        for name, seconds in priced.items():
             if seconds is not None:
-                predicted[(name, r)] = seconds
+                predicted[(name, r, local)] = seconds
     if not predicted:
         raise ValueError(f"no schedule among {names} can run this layer")
-    name, r = min(predicted, key=predicted.get)
+    name, r, local = min(predicted, key=predicted.get)
     source = profile_source(args, profile)
-    label = (lambda n, d: f"{n} r={d}") if auto_chunks else (lambda n, d: n)
-    times = ", ".join(f"{label(n, d)} {t * 1e3:.3f} ms" for (n, d), t in predicted.items())
+    label = ((lambda n, d, lf: f"{n} r={d}" + (" local first" if lf and not shape.local_first
+                                                else "")) if auto_chunks
+             else (lambda n, d, lf: n))
+    times = ", ".join(f"{label(*c)} {t * 1e3:.3f} ms" for c, t in predicted.items())
     what = " and ".join(w for w, on in (("--moe-parm-schedule auto", auto_schedule),
                                          ("--moe-parm-chunks 0", auto_chunks)) if on)
     log(f"{what}: predicted forward+backward per MoE layer {times} with {source}; using "
-        f"{name}" + (f" with --moe-parm-chunks {r}" if auto_chunks else ""))
+        f"{name}" + (f" with --moe-parm-chunks {r}" if auto_chunks else "")
+        + (" --moe-parm-local-first" if local and not shape.local_first else ""))
     args.moe_parm_schedule, args.moe_parm_chunks = name, r
+    args.moe_parm_local_first = local

@@ -35,6 +35,9 @@ arrives (gather + expert + scatter), its return AlltoAll queues behind the outbo
 its MP gather. Backward: the same with the returns' grads first (the AllGather's dual is a
 ReduceScatter and back), the expert's work doubled and no MP traffic (each MP rank keeps its
 block of the replicated grad). r = 1 is the sum of it all, each collective after the other.
+Local first (exact exchange, one hop, EP > 1): the pieces carry (EP - 1) / EP of the rows and
+this rank's own 1 / EP runs as two halves on the main thread, one before piece 0 arrives and
+one after the last return is issued, each paying its ESP gather and scatter.
 
 Compute: flops priced calls * alpha + flops*beta, one alpha per GEMM call (the expert step
 makes 2 per local expert, fc1 and fc2; the pipeline step that many per piece, so a deeper
@@ -122,6 +125,8 @@ class LayerShape:
     gated: bool = False  # SwiGLU: fc1 is 2H wide, three H x M matrices per expert
     # R: EP ranks per node the exact exchange relays through (node_relay.py); 1: one hop
     relay: int = 1
+    # --moe-parm-local-first: the exact exchange's own-EP-rank rows in two pieces of their own
+    local_first: bool = False
 
     @property
     def matrices(self) -> int:
@@ -459,6 +464,7 @@ class StepLoad:
     moved: float = 0.0  # bytes read + written by memory-bound work, forward (backward twice)
     pipeline: bool = False  # the "pipeline" step: collectives (out, ag, rs, back[, gather])
     gemms: int = 1  # GEMM calls in the forward (per piece in the pipeline), each paying alpha
+    local_share: float = 0.0  # of the exchange's rows, computed in the two local halves
 
 
 def sent_bytes(kind: str, nbytes: int, world: int) -> int:
@@ -584,15 +590,17 @@ def _exact_step_load(step: Step, s: LayerShape, held: Held, coll, need) -> tuple
     gather = coll("allgather", "mp", n * narrow) if "mp" in step.group.split(",") else ()
     pairs, h = s.esp * n * s.topk, s.ffn // s.esp  # expert rows after the ESP gather
     # the in-node hops run on the main thread, with the ESP gather and scatter
+    local_first = s.local_first and s.relay == 1 and s.ep > 1  # a rank's own rows: 1 / EP
     load = StepLoad(forward=(out, hop + ag, rs + hop_back, back, gather),
                     backward=(back, hop_back + ag_dual, rs_dual + hop, out, ()),
                     pipeline=True, chunks=pieces, gemms=s.expert_gemms(),
-                    flops=2 * pairs * s.hidden * h * s.matrices, moved=2 * pairs * h * b)
+                    flops=2 * pairs * s.hidden * h * s.matrices, moved=2 * pairs * h * b,
+                    local_share=1 / s.ep if local_first else 0.0)
     return load, replace(held, tokens=n * s.mp if gather else n)
 
 
 def pipeline_s(out: tuple, main: float, back: tuple, tail: tuple, chunks: int,
-               lanes: int = 1) -> float:
+               lanes: int = 1, local: tuple = (0.0, 0.0)) -> float:
     """Seconds of one phase of the "pipeline" step over r = chunks pieces. out, back, tail:
     (alpha, transfer seconds of ONE chunk) of its AlltoAll, its AlltoAll back and s2's MP
     gather ((0, 0) for s1); main: seconds the main thread spends on one chunk (gather, expert,
@@ -602,8 +610,11 @@ def pipeline_s(out: tuple, main: float, back: tuple, tail: tuple, chunks: int,
     thread takes chunk i once it has arrived and issues its AlltoAll back, which follows the
     outbound ones and earlier returns on the same group (paying its latency only if the
     group was idle); each return is then gathered over MP. r = 1 is the sum of all of it; as
-    r grows the time tends to the longer of the link's transfers and the main thread's work."""
-    link, main_free, tail_free, arrived = 0.0, 0.0, 0.0, []
+    r grows the time tends to the longer of the link's transfers and the main thread's work.
+    local: the main thread's seconds on the two local halves (--moe-parm-local-first), the
+    first before chunk 0 arrives, the second after the last return is issued; the gathers
+    over MP then start after it."""
+    link, main_free, tail_free, arrived, returned = 0.0, local[0], 0.0, [], []
     for first in range(0, chunks, lanes):
         batch = min(lanes, chunks - first)
         link = max(out[0] + batch * out[1], link + batch * out[1])
@@ -611,8 +622,12 @@ def pipeline_s(out: tuple, main: float, back: tuple, tail: tuple, chunks: int,
     for i in range(chunks):
         main_free = max(main_free, arrived[i]) + main
         link = max(main_free + back[0] + back[1], link + back[1])
-        tail_free = max(link + tail[0] + tail[1], tail_free + tail[1])
-    return max(link, tail_free if tail != (0.0, 0.0) else 0.0)
+        returned.append(link)
+    main_free += local[1]
+    for done in returned:
+        start = max(done, main_free) if local[1] else done
+        tail_free = max(start + tail[0] + tail[1], tail_free + tail[1])
+    return max(link, main_free, tail_free if tail != (0.0, 0.0) else 0.0)
 
 
 def _phase_s(colls: tuple, shape: LayerShape, profile: Profile) -> float:
@@ -649,12 +664,17 @@ def _pipeline_cost(load: StepLoad, shape: LayerShape, profile: Profile) -> tuple
         return alpha, transfer
 
     work = _work_s(load.flops / r, load.moved / r, profile, load.gemms) * compute_factor
+    share = load.local_share
     phases = []
     for colls, weight in ((load.forward, 1), (load.backward, 2)):
         out, ag, rs, back, tail = (chunk(c) for c in colls)
-        main = sum(ag) + sum(rs) + weight * work
-        phases.append(pipeline_s(out, main, back, tail, r, profile.lanes) + weight * host
-                      + per_call * calls(colls, load))
+        fixed, rows = ag[0] + rs[0], ag[1] + rs[1] + weight * work  # per call, per row share
+        # local first: each chunk keeps the other EP ranks' share of the rows, and each half
+        # of this rank's own rows pays one more gather and scatter
+        half = fixed + share * r * rows / 2 if share else 0.0
+        phases.append(pipeline_s(out, fixed + (1 - share) * rows, back, tail, r, profile.lanes,
+                                 (half, half))
+                      + weight * host + per_call * calls(colls, load))
     return tuple(phases)
 
 
@@ -674,8 +694,9 @@ def step_cost(step: Step, shape: LayerShape, profile: Profile, held: Held) -> tu
 def calls(colls: tuple, load: StepLoad) -> int:
     """Collective calls of one phase of a step: the pipeline step makes one of each of its
     collectives per piece."""
-    if load.pipeline:
-        return sum(len(c) for c in colls) * load.chunks
+    if load.pipeline:  # local first: the ESP gather and scatter once more for each half
+        extra = 2 * (len(colls[1]) + len(colls[2])) if load.local_share else 0
+        return sum(len(c) for c in colls) * load.chunks + extra
     return len(colls)
 
 

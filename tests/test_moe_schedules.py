@@ -152,12 +152,13 @@ def test_auto_without_a_profile_is_left_to_the_start_up_measurement():
     from parm_trainer.moe.auto import resolve_auto_schedule
 
     ep2 = ["--expert-model-parallel-size", "2"]
-    local = [("s1", 2, True), ("s2", 2, True)]
+    with_local = [c for n in ("s1", "s2")
+                  for c in ((n, 1, False), (n, 2, False), (n, 4, False), (n, 2, True))]
     for argv, want in (([], [(n, r, False) for n in ("s1", "s2") for r in (1, 2, 4)]),
                        (["--moe-parm-schedule", "s2"], [("s2", r, False) for r in (1, 2, 4)]),
                        (["--moe-parm-chunks", "2"], [("s1", 2, False), ("s2", 2, False)]),
                        # with an EP group to send to: depth 2 with the local rows first too
-                       (ep2, [(n, r, False) for n in ("s1", "s2") for r in (1, 2, 4)] + local),
+                       (ep2, with_local),
                        (ep2 + ["--moe-parm-chunks", "2"], [(n, 2, False) for n in ("s1", "s2")]),
                        (ep2 + ["--moe-parm-local-first"],
                         [(n, r, True) for n in ("s1", "s2") for r in (1, 2, 4)]),

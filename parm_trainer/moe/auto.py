@@ -66,6 +66,23 @@ def local_first_applies(args) -> bool:
             and node_relay.relay_size(args, node_relay.ranks_per_node(args)) == 1)
 
 
+def weighed_depths(args, choices) -> list:
+    """The (depth, local first) pairs auto weighs: each of `choices` (or the depth given) with
+    --moe-parm-local-first as given, and, where auto picks the depth and local first applies,
+    LOCAL_FIRST_DEPTH with it too."""
+    local, auto_chunks = bool(getattr(args, "moe_parm_local_first", False)), \
+        args.moe_parm_chunks == 0
+    out = [(r, local) for r in (choices if auto_chunks else (args.moe_parm_chunks,))]
+    if auto_chunks and not local and local_first_applies(args):
+        out.append((LOCAL_FIRST_DEPTH, True))
+    return out
+
+
+def label(name: str, r: int, local: bool) -> str:
+    """A candidate as the log and the tune cache name it: "s1 r=2", "s1 r=2 local first"."""
+    return f"{name} r={r}" + (" local first" if local else "")
+
+
 def resolve_auto_schedule(args, log=print) -> None:
     """With --moe-parm-cost-profile: replace args.moe_parm_schedule "auto" by the cheaper of
     s1 and s2, and --moe-parm-chunks 0 by the cheapest pipeline depth of CHUNK_CHOICES (for s1
@@ -82,19 +99,12 @@ def resolve_auto_schedule(args, log=print) -> None:
             args.moe_parm_chunks = 1
         return
     if not args.moe_parm_cost_profile:  # measured at start-up instead (tune.py)
-        depths = TUNE_DEPTHS if auto_chunks else (args.moe_parm_chunks,)
-        local = bool(getattr(args, "moe_parm_local_first", False))
-        args.moe_parm_tune_candidates = [(n, r, local) for n in names for r in depths]
-        if auto_chunks and not local and local_first_applies(args):
-            args.moe_parm_tune_candidates += [(n, LOCAL_FIRST_DEPTH, True) for n in names]
+        args.moe_parm_tune_candidates = [(n, r, local) for n in names
+                                         for r, local in weighed_depths(args, TUNE_DEPTHS)]
         return
     shape = layer_shape(args)
-    depths = [(r, shape.local_first)
-              for r in (CHUNK_CHOICES if auto_chunks else (args.moe_parm_chunks,))]
-    if auto_chunks and not shape.local_first and local_first_applies(args):
-        depths.append((LOCAL_FIRST_DEPTH, True))
     predicted = {}
-    for r, local in depths:
+    for r, local in weighed_depths(args, CHUNK_CHOICES):
         priced = price_schedules(replace(shape, chunks=r, local_first=local), profile, names)
         for name, seconds in priced.items():
             if seconds is not None:
@@ -103,14 +113,12 @@ def resolve_auto_schedule(args, log=print) -> None:
         raise ValueError(f"no schedule among {names} can run this layer")
     name, r, local = min(predicted, key=predicted.get)
     source = profile_source(args, profile)
-    label = ((lambda n, d, lf: f"{n} r={d}" + (" local first" if lf and not shape.local_first
-                                                else "")) if auto_chunks
-             else (lambda n, d, lf: n))
-    times = ", ".join(f"{label(*c)} {t * 1e3:.3f} ms" for c, t in predicted.items())
+    times = ", ".join(f"{label(*c) if auto_chunks else c[0]} {t * 1e3:.3f} ms"
+                      for c, t in predicted.items())
     what = " and ".join(w for w, on in (("--moe-parm-schedule auto", auto_schedule),
                                          ("--moe-parm-chunks 0", auto_chunks)) if on)
     log(f"{what}: predicted forward+backward per MoE layer {times} with {source}; using "
         f"{name}" + (f" with --moe-parm-chunks {r}" if auto_chunks else "")
-        + (" --moe-parm-local-first" if local and not shape.local_first else ""))
+        + (" --moe-parm-local-first" if local else ""))
     args.moe_parm_schedule, args.moe_parm_chunks = name, r
     args.moe_parm_local_first = local

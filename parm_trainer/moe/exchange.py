@@ -284,10 +284,9 @@ def exchange(layer, routed: Routed, gather_mp: bool):
         inbound.append(cu.start(out, back, link, name))
     for p in local[1:]:
         computed.append((p, _esp_experts(layer, payload(p), p, hidden, esp_group, me_esp)))
-    base = None  # the local rows added into their tokens
+    base = tokens.new_zeros(tokens.shape[0], hidden) if computed else None  # the local rows
     for p, out in computed:
-        base = (tokens.new_zeros(tokens.shape[0], hidden) if base is None else base).index_add(
-            0, p.token, out)
+        base = base.index_add(0, p.token, out)
     combined = []
     for p, started in zip(sent, inbound):
         rows = comm.finish(started)

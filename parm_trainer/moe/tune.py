@@ -30,6 +30,7 @@ import time
 import torch
 
 from parm_trainer.moe import node_relay
+from parm_trainer.moe.auto import label
 from parm_trainer.parallel import rank_device
 
 WARMUP, ROUNDS = 1, 5
@@ -241,10 +242,6 @@ def runnable_candidates(args) -> list:
         out.append((name, r, local))
     return out
 
-
-def label(name: str, r: int, local: bool) -> str:
-    """A candidate as the log and the cache name it: "s1 r=2", "s1 r=2 local first"."""
-    return f"{name} r={r}" + (" local first" if local else "")
 
 
 def tune_at_startup(args, log=print) -> None:

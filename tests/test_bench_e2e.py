@@ -77,6 +77,17 @@ def test_row_names_map_to_flags():
         "--moe-parm-schedule", "s1", "--moe-parm-chunks", "1", "--timing-log-level", "2",
         "--overlap-grad-reduce"]
     assert tool.schedule_flags("default@timing-log-level=1") == ["--timing-log-level", "1"]
+    assert tool.schedule_flags("s1/r2/local") == [
+        "--moe-parm-schedule", "s1", "--moe-parm-chunks", "2", "--moe-parm-local-first"]
+
+
+def test_autos_choice_is_named_as_its_row():
+    log = "auto: measured ...; using {}\niteration 10/30 | ms/iter 900.0 | tokens/s 2276"
+    assert tool.chosen_row(log.format("s1 with --moe-parm-chunks 2 --moe-parm-local-first")) \
+        == "s1/r2/local"
+    assert tool.chosen_row(log.format("s2 with --moe-parm-chunks 4")) == "s2/r4"
+    assert tool.chosen_row(log.format("s1")) == "s1"
+    assert tool.chosen_row("iteration 10/30 | ms/iter 900.0") is None
 
 
 TIMED_LOG = """predicted forward + backward per micro-batch (the default profile, x): PP rank 0 12.50 ms, PP rank 1 30.00 ms; 400.0 ms per iteration

@@ -1,8 +1,9 @@
 """python tools/bench_e2e.py --nproc 4 --schedules baseline,s1,s2,auto,megatron --runs 3
 
 Rows: a --moe-parm-schedule name; "default" (no Parm flag: auto, the depth chosen at start-up);
-"s1/r2" (a schedule at a pipeline depth); "megatron-alltoall", "megatron-allgather" (megatron's
-own MoE layer with that token dispatcher); any of them with "@flag=value" or "@flag" appended
+"s1/r2" (a schedule at a pipeline depth; "s1/r2/local" with --moe-parm-local-first);
+"megatron-alltoall", "megatron-allgather" (megatron's own MoE layer with that token
+dispatcher); any of them with "@flag=value" or "@flag" appended
 for flags of that row alone ("s1/r1,s1/r1@timing-log-level=2": what the timers cost).
 
 Training speed of pretrain_gpt_moe.py under each MoE schedule, end to end: `make demo`'s MoE
@@ -48,8 +49,8 @@ MODEL = DEMO_MODEL
 
 def schedule_flags(name: str) -> list:
     """A row's flags: "default" none (auto, depth chosen at start-up); "megatron-alltoall" and
-    "megatron-allgather" megatron's layer with that dispatcher; "s1/r2" a schedule at a depth;
-    any other name --moe-parm-schedule NAME. Each "@flag=value" or "@flag" after the name adds
+    "megatron-allgather" megatron's layer with that dispatcher; "s1/r2" a schedule at a depth
+    ("s1/r2/local": with --moe-parm-local-first); any other name --moe-parm-schedule NAME. Each "@flag=value" or "@flag" after the name adds
     --flag [value] to that row alone ("default@timing-log-level=2": the default at level 2)."""
     name, *added = name.split("@")
     extra = []
@@ -66,7 +67,21 @@ def _row_flags(name: str) -> list:
         return ["--moe-parm-schedule", "megatron", "--moe-token-dispatcher-type",
                 name.split("-", 1)[1]]
     schedule, _, depth = name.partition("/r")
-    return ["--moe-parm-schedule", schedule] + (["--moe-parm-chunks", depth] if depth else [])
+    depth, _, local = depth.partition("/")
+    return (["--moe-parm-schedule", schedule] + (["--moe-parm-chunks", depth] if depth else [])
+            + (["--moe-parm-local-first"] if local == "local" else []))
+
+
+CHOSEN = re.compile(r"using (s[12])(?: with --moe-parm-chunks (\d+))?( --moe-parm-local-first)?")
+
+
+def chosen_row(output: str):
+    """auto's choice as a row name ("s1/r2", "s1/r2/local"), from its log line; None without."""
+    found = CHOSEN.search(output)
+    if found is None:
+        return None
+    name, depth, local = found.groups()
+    return name + (f"/r{depth}" if depth else "") + ("/local" if local else "")
 
 
 def command(args, schedule: str, run_dir: str) -> list:
@@ -158,9 +173,6 @@ def main(argv=None) -> int:
                       file=sys.stderr)
                 return 1
             rows = intervals(output)
-            # auto's choice is printed by rank 0: node 0's output (stdout) across nodes
-            chosen = re.search(r"using (s[12])(?: with --moe-parm-chunks (\d+))?",
-                               stdout + output)
             held = save_held(stdout)
             runs[schedule].append({"ms_per_iter": run_figure(rows), "intervals": rows,
                                    "wall_ms_per_iter": (wall_figure(stamps) if args.nodes == 1
@@ -168,9 +180,9 @@ def main(argv=None) -> int:
                                    "save_held_s": held,
                                    "tokens_per_iter": rows[-1][1] * rows[-1][2] / 1e3,
                                    "wall_s": time.monotonic() - start,
-                                   "chosen": (chosen.group(1) + (f"/r{chosen.group(2)}"
-                                                                 if chosen.group(2) else ""))
-                                             if chosen else None})
+                                   # auto's choice, printed by rank 0: node 0's output
+                                   # (stdout) across nodes
+                                   "chosen": chosen_row(stdout + output)})
             last = runs[schedule][-1]
             wall = last["wall_ms_per_iter"]  # (measured on one node only)
             print(f"run {r + 1}/{args.runs} {schedule:<10} {last['ms_per_iter']:8.1f} ms/iter"

@@ -180,11 +180,13 @@ def test_one_piece_exchange_is_the_sum_of_its_collectives():
 
 
 def test_layer_terms_add_per_step_and_per_call_costs():
-    """host_s_per_step is paid by every step, s_per_call by every collective call, outside the
-    pipeline's overlap: s1 at MP = EP = ESP = 2 without SP calls, forward, the router-count
-    AllReduce and the MP AllGather, and in its exchange of r pieces r AlltoAlls, r AllGathers,
-    r ReduceScatters and r AlltoAlls back: 2 + 4r; backward, the split's AllGather, the gate
-    weight's AllReduce and the exchange's 4r."""
+    """host_s_per_step is paid by every step, s_per_call by every collective call: s1 at MP =
+    EP = ESP = 2 without SP calls, forward, the router-count AllReduce and the MP AllGather,
+    and in its exchange of r pieces r AlltoAlls, r AllGathers, r ReduceScatters and r
+    AlltoAlls back: 2 + 4r; backward, the split's AllGather, the gate weight's AllReduce and
+    the exchange's 4r. The exchange's calls take the main thread's time of their piece, so
+    where the main thread bounds the exchange (here: collectives without transfer time) each
+    adds in full."""
     prof = profile(alpha=1e-5)
     for chunks in (1, 2):
         shape = replace(SHAPE, chunks=chunks)
@@ -198,6 +200,23 @@ def test_layer_terms_add_per_step_and_per_call_costs():
         calls = 2 + 4 * chunks
         assert per_call["forward_s"] - plain["forward_s"] == pytest.approx(calls * 1e-3)
         assert per_call["backward_s"] - plain["backward_s"] == pytest.approx(calls * 1e-3)
+
+
+def test_a_busy_link_hides_the_calls_of_later_pieces():
+    """Where the link bounds a pipelined exchange, a piece's calls run on the main thread
+    while other pieces cross it: at r = 4 on a slow link only the 2 calls outside the
+    exchange (the router counts' AllReduce, the MP AllGather) add their s_per_call; at r = 1
+    nothing overlaps and all 2 + 4 add."""
+    prof = profile(inter_beta=1e-6, compute=(0.0, 1e-12))
+    waiting = replace(prof, layer=(1.0, 1.0, 0.0, 1e-3))
+    added = {}
+    for chunks in (1, 4):
+        shape = replace(SHAPE, chunks=chunks)
+        plain, paid = (plan_cost(build_plan("s1", False), shape, p)["forward_s"]
+                       for p in (prof, waiting))
+        added[chunks] = (paid - plain) / 1e-3
+    assert added[1] == pytest.approx(2 + 4 * 1)
+    assert added[4] == pytest.approx(2)
 
 
 def test_group_placement():

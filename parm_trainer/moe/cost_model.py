@@ -57,8 +57,9 @@ step's collectives cost comm_factor times their isolated alpha-beta time and its
 memory work compute_factor times theirs (interference: on a shared machine they slow each other
 down; 1 when absent), and every step adds host_s_per_step (framework and launch cost; backward
 twice), and every collective call (the pipeline step makes one per collective and piece) adds
-s_per_call, outside any overlap: each call is a point where ranks wait for the slowest of them,
-and host work of its own, which an isolated calibration of the call does not see;
+s_per_call (outside any overlap, but in the pipeline step on the main thread's time of its
+piece, pipeline_s): each call is a point where ranks wait for the slowest of them, and host
+work of its own, which an isolated calibration of the call does not see;
 calibrate_comm measures it on its own (3 MP collectives in each node's group after stretches
 of 2-30 ms of compute, beyond the two apart: bench/calibrate.measure_sync_wait) and the
 whole-model planner adds it to every collective call of the dense pieces too but P2P, whose
@@ -650,9 +651,11 @@ def _work_s(flops: float, moved: float, profile: Profile, gemms: int = 1) -> flo
 
 def _pipeline_cost(load: StepLoad, shape: LayerShape, profile: Profile) -> tuple:
     """(forward_s, backward_s) of the pipeline step: pipeline_s on per-chunk prices, with the
-    layer terms (collectives x comm_factor, work x compute_factor), plus host_s_per_step and
-    s_per_call for each of its calls, r per collective: the host work of a call does not hide
-    under the link (on a CPU it takes the cores the transfers need too)."""
+    layer terms (collectives x comm_factor, work x compute_factor), plus host_s_per_step, and
+    s_per_call for each of its calls, r per collective, on the main thread's time of the piece
+    it belongs to: a call's wait for the slowest rank and its host work take the main thread
+    (and, where the cores bound the layer, add up piece by piece), while a link still carrying
+    earlier pieces hides them as it hides the piece's compute."""
     comm_factor, compute_factor, host, per_call = profile.layer
     r = load.chunks
 
@@ -668,13 +671,15 @@ def _pipeline_cost(load: StepLoad, shape: LayerShape, profile: Profile) -> tuple
     phases = []
     for colls, weight in ((load.forward, 1), (load.backward, 2)):
         out, ag, rs, back, tail = (chunk(c) for c in colls)
-        fixed, rows = ag[0] + rs[0], ag[1] + rs[1] + weight * work  # per call, per row share
+        esp_calls = len(colls[1]) + len(colls[2])
+        piece_calls = sum(len(c) for c in colls)  # a piece's AlltoAlls, ESP calls, MP gather
+        # per piece: the calls' latency and waits, then the rows' transfers and work
+        fixed, rows = ag[0] + rs[0], ag[1] + rs[1] + weight * work
         # local first: each chunk keeps the other EP ranks' share of the rows, and each half
         # of this rank's own rows pays one more gather and scatter
-        half = fixed + share * r * rows / 2 if share else 0.0
-        phases.append(pipeline_s(out, fixed + (1 - share) * rows, back, tail, r, profile.lanes,
-                                 (half, half))
-                      + weight * host + per_call * calls(colls, load))
+        half = fixed + per_call * esp_calls + share * r * rows / 2 if share else 0.0
+        phases.append(pipeline_s(out, fixed + per_call * piece_calls + (1 - share) * rows,
+                                 back, tail, r, profile.lanes, (half, half)) + weight * host)
     return tuple(phases)
 
 

@@ -50,8 +50,9 @@ MODEL = DEMO_MODEL
 def schedule_flags(name: str) -> list:
     """A row's flags: "default" none (auto, depth chosen at start-up); "megatron-alltoall" and
     "megatron-allgather" megatron's layer with that dispatcher; "s1/r2" a schedule at a depth
-    ("s1/r2/local": with --moe-parm-local-first); any other name --moe-parm-schedule NAME. Each "@flag=value" or "@flag" after the name adds
-    --flag [value] to that row alone ("default@timing-log-level=2": the default at level 2)."""
+    ("s1/r2/local": with --moe-parm-local-first); any other name --moe-parm-schedule NAME.
+    Each "@flag=value" or "@flag" after the name adds --flag [value] to that row alone
+    ("default@timing-log-level=2": the default at level 2)."""
     name, *added = name.split("@")
     extra = []
     for flag in added:

@@ -64,8 +64,9 @@ calibrate_comm measures it on its own (3 MP collectives in each node's group aft
 of 2-30 ms of compute, beyond the two apart: bench/calibrate.measure_sync_wait) and the
 whole-model planner adds it to every collective call of the dense pieces too but P2P, whose
 wait the pipeline steps price. (Fitted
-inside the pipeline's overlap instead, it could not tell r = 2 from r = 4 on 8 processes per 2
-cores, where more pieces measured up to 50 % slower.)
+as the latency of each piece's collectives instead, it could not tell r = 2 from r = 4 on 8
+processes per 2 cores, where more pieces measured up to 50 % slower; on the main thread those
+cores-bound pieces pay it in full, docs/cost_model.md.)
 Exact exchange (LayerShape.exact, exchange.py): no capacity; a rank sends each EP rank the
 expected tokens x ep_hit() rows of M + L values (L = E/EP routing weights) and gets one row of
 M back for each; see _exact_step_load. Relayed (LayerShape.relay = R > 1, node_relay.py): each

@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 
+from parm_trainer.bench.flags import depth_row
 from parm_trainer.bench.training_runs import (DEMO_MODEL, add_run_flags, intervals,
                                              parse_run_flags, run_figure, run_timed, save_held,
                                              training_log, wall_figure)
@@ -67,10 +68,12 @@ def _row_flags(name: str) -> list:
     if name.startswith("megatron-"):
         return ["--moe-parm-schedule", "megatron", "--moe-token-dispatcher-type",
                 name.split("-", 1)[1]]
-    schedule, _, depth = name.partition("/r")
-    depth, _, local = depth.partition("/")
-    return (["--moe-parm-schedule", schedule] + (["--moe-parm-chunks", depth] if depth else [])
-            + (["--moe-parm-local-first"] if local == "local" else []))
+    depth = depth_row(name)  # bench_moe_layer's row names: s1/r2, s1/r2/local
+    if depth is None:
+        return ["--moe-parm-schedule", name]
+    schedule, chunks, local = depth
+    return (["--moe-parm-schedule", schedule, "--moe-parm-chunks", str(chunks)]
+            + (["--moe-parm-local-first"] if local else []))
 
 
 CHOSEN = re.compile(r"using (s[12])(?: with --moe-parm-chunks (\d+))?( --moe-parm-local-first)?")

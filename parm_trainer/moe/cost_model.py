@@ -672,13 +672,12 @@ def _pipeline_cost(load: StepLoad, shape: LayerShape, profile: Profile) -> tuple
     phases = []
     for colls, weight in ((load.forward, 1), (load.backward, 2)):
         out, ag, rs, back, tail = (chunk(c) for c in colls)
-        esp_calls = len(colls[1]) + len(colls[2])
-        piece_calls = sum(len(c) for c in colls)  # a piece's AlltoAlls, ESP calls, MP gather
+        piece_calls, half_calls = _pipeline_calls(colls)
         # per piece: the calls' latency and waits, then the rows' transfers and work
         fixed, rows = ag[0] + rs[0], ag[1] + rs[1] + weight * work
         # local first: each chunk keeps the other EP ranks' share of the rows, and each half
         # of this rank's own rows pays one more gather and scatter
-        half = fixed + per_call * esp_calls + share * r * rows / 2 if share else 0.0
+        half = fixed + per_call * half_calls + share * r * rows / 2 if share else 0.0
         phases.append(pipeline_s(out, fixed + per_call * piece_calls + (1 - share) * rows,
                                  back, tail, r, profile.lanes, (half, half)) + weight * host)
     return tuple(phases)
@@ -697,12 +696,19 @@ def step_cost(step: Step, shape: LayerShape, profile: Profile, held: Held) -> tu
                  for colls, weight in ((load.forward, 1), (load.backward, 2)))
 
 
+def _pipeline_calls(colls: tuple) -> tuple:
+    """(calls of one piece, calls of one local half) in a phase of the pipeline step: a piece
+    makes one of each of its collectives (AlltoAlls, ESP gather and scatter, MP gather), a
+    local half (--moe-parm-local-first) its ESP gather and scatter."""
+    return sum(len(c) for c in colls), len(colls[1]) + len(colls[2])
+
+
 def calls(colls: tuple, load: StepLoad) -> int:
     """Collective calls of one phase of a step: the pipeline step makes one of each of its
-    collectives per piece."""
-    if load.pipeline:  # local first: the ESP gather and scatter once more for each half
-        extra = 2 * (len(colls[1]) + len(colls[2])) if load.local_share else 0
-        return sum(len(c) for c in colls) * load.chunks + extra
+    collectives per piece, and with local first its two halves their ESP calls."""
+    if load.pipeline:
+        piece, half = _pipeline_calls(colls)
+        return piece * load.chunks + (2 * half if load.local_share else 0)
     return len(colls)
 
 

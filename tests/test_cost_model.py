@@ -15,7 +15,8 @@ import pytest
 
 from parm_trainer.moe.cost_model import (DEFAULT_PROFILE, KINDS, LayerShape, Profile,
                                          ProfileError, choose_schedule, fit_alpha_beta,
-                                         pipeline_s, plan_cost, remote_share, walk)
+                                         pipeline_s, plan_cost, remote_share, step_load,
+                                         walk)
 from parm_trainer.moe.schedules import build_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,6 +201,23 @@ def test_layer_terms_add_per_step_and_per_call_costs():
         calls = 2 + 4 * chunks
         assert per_call["forward_s"] - plain["forward_s"] == pytest.approx(calls * 1e-3)
         assert per_call["backward_s"] - plain["backward_s"] == pytest.approx(calls * 1e-3)
+
+
+def test_the_exact_exchange_carries_s1s_router_counts():
+    """s1's gate sums the router's per-expert counts over MP in an AllReduce of its own, except
+    on the exact exchange where the EP x ESP group holds the MP group (EP x ESP a multiple of
+    MP): there the exchange's count AllGather carries them (aux_loss.py)."""
+    plan = build_plan("s1", True)
+
+    def gate_forward(**sizes):
+        shape = replace(SHAPE, capacity_factor=None, sequence_parallel=True, **sizes)
+        (step, held), = [(st, h) for st, h in walk(plan, shape) if st.op == "gate"]
+        return [kind for kind, *_ in step_load(step, shape, held)[0].forward]
+
+    assert gate_forward(exact=False) == ["allreduce"]
+    assert gate_forward(exact=True) == []
+    assert gate_forward(exact=True, mp=2, ep=2, esp=1) == []
+    assert gate_forward(exact=True, mp=4, ep=2, esp=1) == ["allreduce"]
 
 
 def test_a_busy_link_hides_the_calls_of_later_pieces():

@@ -25,7 +25,8 @@ its dual (comm.py):
     a2a -> a2a, allreduce -> nothing, split_* -> AllGather of the piece, gather_tokens ->
     nothing, copy -> AllReduce, gate[mp] (split tokens) -> AllReduce of the router weight's
     gradient (E*M) over MP; its forward all-reduces the E per-expert token counts (int64) over
-    MP for the aux loss.
+    MP for the aux loss, unless the exact exchange's count AllGather carries them (EP x ESP a
+    multiple of MP: megatron-core nests the groups).
 
 Pipeline step (s1's and s2's expert exchange, in r = min(chunks, c) pieces): AlltoAll, ESP
 AllGather, expert, ESP ReduceScatter, AlltoAll back (and s2's MP gather) per piece of the
@@ -508,9 +509,12 @@ def step_load(step: Step, shape: LayerShape, held: Held) -> tuple:
         if step.group != "mp":
             return StepLoad(flops=2 * n * s.hidden * s.experts), held
         # on split tokens: the router's per-expert token counts (int64) summed over MP for the
-        # load-balancing loss, and in backward the router weight's gradient (under sequence
-        # parallelism summed once per iteration with the layer norms' instead, layer.py)
-        counts = coll("allreduce", "mp", s.experts * 8)
+        # load-balancing loss (the exact exchange's count AllGather carries them where its
+        # EP x ESP group holds the MP group: aux_loss.py), and in backward the router weight's
+        # gradient (under sequence parallelism summed once per iteration with the layer norms'
+        # instead, layer.py)
+        carried = s.exact and (s.ep * s.esp) % s.mp == 0
+        counts = () if carried else coll("allreduce", "mp", s.experts * 8)
         wgrad = () if s.sequence_parallel else coll("allreduce", "mp", s.experts * s.hidden * b)
         return StepLoad(forward=counts, backward=wgrad, flops=2 * n * s.hidden * s.experts), held
     if op == "dispatch":

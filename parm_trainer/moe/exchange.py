@@ -14,7 +14,8 @@ k times and its k outputs sent back. This one sends what the routing needs and n
    capacity, so no all-reduce across the stage). It is also the only value read back to the
    host: every later count (rows to send, each local expert's rows, the relay's forwarding)
    is known from it, so the indices are taken with torch.nonzero_static and a GPU never
-   waits for the host in between.
+   waits for the host in between. s1's load-balancing loss sends its per-expert counts along
+   instead of all-reducing them over MP itself (aux_loss.py).
 4. per piece: AlltoAll-v (EP) of exact counts, ESP-AllGather-v, each local expert on its rows
    (a row is expanded to the experts its mask names), the outputs summed per row with their
    weights, ESP-ReduceScatter-v, AlltoAll-v back: one row per token and EP rank.
@@ -111,12 +112,13 @@ def _masks(routed: Routed, ep: int, relay) -> _Masks:
 
 
 def _agree_counts(pieces: list, masks: _Masks, ep: int, esp: int, me_ep: int, me_esp: int,
-                  relay) -> None:
+                  relay, extra=None):
     """Fill each piece's counts from one AllGather over the EP x ESP group of every rank's rows
     per EP rank, (token, expert) pairs per expert (and, relayed, rows per node) of each piece,
     tagged with its sender's EP and ESP ranks: this rank's own send counts, what it receives,
     what each local expert computes, and the relay's in-node forwarding. The gathered table is
-    the only thing read back to the host."""
+    the only thing read back to the host. `extra` (1-D int64, one length on every rank) rides
+    along: returns every rank's, (W, len) in group rank order, on its device (else None)."""
     def per_piece(mask):  # (P, columns): each piece's tokens per column of mask
         return torch.stack([mask.narrow(0, p.offset, p.size).sum(dim=0) for p in pieces])
 
@@ -125,9 +127,11 @@ def _agree_counts(pieces: list, masks: _Masks, ep: int, esp: int, me_ep: int, me
     if relay is not None:
         parts.append(per_piece(masks.hop_goes))
     me = torch.tensor([me_ep, me_esp], dtype=torch.int64, device=masks.goes.device)
-    local = torch.cat([me] + [part.to(torch.int64).view(-1) for part in parts])
-    rows = cu.gather_counts(local, parallel_state.get_expert_tensor_and_model_parallel_group())
-    rows = rows.cpu()
+    tail = [] if extra is None else [extra.to(torch.int64)]
+    local = torch.cat([me] + [part.to(torch.int64).view(-1) for part in parts] + tail)
+    gathered = cu.gather_counts(local, parallel_state.get_expert_tensor_and_model_parallel_group())
+    ours = local.numel() - sum(t.numel() for t in tail)  # the columns this function reads
+    rows, extras = gathered[:, :ours].cpu(), (gathered[:, ours:] if tail else None)
     cut = [2, 2 + count * ep, 2 + count * (ep + experts)]
     table = torch.zeros(ep, esp, count, ep, dtype=torch.int64)  # sender's rows per EP rank
     table[rows[:, 0], rows[:, 1]] = rows[:, cut[0]:cut[1]].view(-1, count, ep)
@@ -159,6 +163,7 @@ def _agree_counts(pieces: list, masks: _Masks, ep: int, esp: int, me_ep: int, me
         piece.recv = by_node[at(pos), me_esp, i, node].tolist()
         piece.fwd_send = relayed[:, i, node * per:(node + 1) * per].sum(dim=0).tolist()
         piece.fwd_recv = [int(into_me[at(j), me_esp, i].sum()) for j in range(per)]
+    return extras
 
 
 def _at(x, first, second=None):
@@ -252,10 +257,13 @@ def exchange(layer, routed: Routed, gather_mp: bool):
     relay = layer.relay
     local_first = layer.local_first and relay is None and ep > 1
     pieces = _pieces(tokens.shape[0], layer.chunks, local_first)
+    aux = layer.router.take_pending() if getattr(layer.router, "defer", False) else None
     if not pieces:
-        return tokens.new_zeros(tokens.shape[0] * (layer.mp_size if gather_mp else 1), hidden)
+        out = tokens.new_zeros(tokens.shape[0] * (layer.mp_size if gather_mp else 1), hidden)
+        return out if aux is None else layer.router.attach(aux, None, out)
     masks = _masks(routed, ep, relay)
-    _agree_counts(pieces, masks, ep, esp, me_ep, me_esp, relay)
+    extras = _agree_counts(pieces, masks, ep, esp, me_ep, me_esp, relay,
+                           None if aux is None else aux.counts())
     for p in pieces:
         _rows(p, masks, me_ep)
     link, me_link, name = ((ep_group, me_ep, "ep") if relay is None
@@ -294,8 +302,10 @@ def exchange(layer, routed: Routed, gather_mp: bool):
                 else base.narrow(0, p.offset, p.size))
         out = into.index_add(0, p.token - p.offset, rows)
         combined.append(comm.start("gather", out, mp_group, "mp") if gather_mp else out)
-    if not gather_mp:
-        return torch.cat(combined, dim=0)
-    gathered = [comm.finish(started) for started in combined]  # each (G size, M), rank order
-    return torch.cat([piece.narrow(0, rank * p.size, p.size) for rank in range(layer.mp_size)
-                      for piece, p in zip(gathered, sent)], dim=0)
+    if gather_mp:
+        gathered = [comm.finish(started) for started in combined]  # each (G size, M), rank order
+        combined = [piece.narrow(0, rank * p.size, p.size) for rank in range(layer.mp_size)
+                    for piece, p in zip(gathered, sent)]
+    out = torch.cat(combined, dim=0)
+    # s1's aux loss, its counts summed over MP from the gathered table (aux_loss.py)
+    return out if aux is None else layer.router.attach(aux, extras[layer.aux_rows].sum(0), out)

@@ -26,9 +26,11 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import get_capacity, router_gating_linear
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import build_module
 
 from parm_trainer.moe import comm, node_relay, step_timing
+from parm_trainer.moe.aux_loss import DeferringRouter
 from parm_trainer.moe.exchange import Routed, exchange, route
 from parm_trainer.moe.schedules import build_plan
 from parm_trainer.parallel import consecutive_subgroup
@@ -83,12 +85,17 @@ class ParmMoELayer(MegatronModule):
             from megatron.core.transformer.moe.moe_layer import get_default_pg_collection
 
             pg_collection = get_default_pg_collection()
-        self.router = submodules.router(config=config, pg_collection=pg_collection)
+        router = DeferringRouter if submodules.router is TopKRouter else submodules.router
+        self.router = router(config=config, pg_collection=pg_collection)
         self.router.set_layer_number(layer_number)
         # Router statistics (aux loss, z-loss) are summed over the ranks that split the tokens;
         # where every MP rank holds all tokens there is nothing to sum.
         self.router.tp_cp_group = (self.groups["mp"] if self.plan.splits_tokens
                                    else consecutive_subgroup(1))
+        # ...and the exact exchange's count AllGather sums the aux loss's counts (aux_loss.py)
+        self.aux_rows = self._mp_in_exchange_group() if self.plan.splits_tokens else None
+        if isinstance(self.router, DeferringRouter):
+            self.router.defer = self.aux_rows is not None
         # Gate gradients where the gate runs on split tokens (s1) are partial sums over MP.
         # Under sequence parallelism the weight is marked sequence-parallel, as megatron's own
         # router is, and finalize_model_grads sums it over TP once per iteration, coalesced with
@@ -98,6 +105,18 @@ class ParmMoELayer(MegatronModule):
                                                 and bool(config.sequence_parallel))
         self.experts = build_module(submodules.experts, self.num_local_experts, config,
                                     pg_collection=pg_collection)
+
+    def _mp_in_exchange_group(self):
+        """The MP ranks' positions in the exact exchange's count AllGather (over EP x ESP),
+        where that group holds them all and MP > 1; else None."""
+        if not self.exact or self.mp_size == 1:
+            return None
+        members = torch.distributed.get_process_group_ranks(
+            parallel_state.get_expert_tensor_and_model_parallel_group())
+        mp = torch.distributed.get_process_group_ranks(self.groups["mp"])
+        if not set(mp) <= set(members):
+            return None
+        return [members.index(rank) for rank in mp]
 
     def set_layer_number(self, layer_number: int):
         self.layer_number = layer_number

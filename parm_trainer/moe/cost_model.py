@@ -553,8 +553,9 @@ def step_load(step: Step, shape: LayerShape, held: Held) -> tuple:
 
 def _exact_step_load(step: Step, s: LayerShape, held: Held, coll, need) -> tuple:
     """The exact exchange's steps (exchange.py): dispatch only marks the kept pairs, and
-    agrees the send counts with one AllGather of small ints over the EP x ESP group (priced
-    on EP, whose links it crosses); s2's split keeps 1/G of the tokens and their E weights
+    agrees the send counts with one AllGather of small ints over the EP x ESP group, made as
+    an AlltoAll to every rank (comm_uneven.gather_counts; priced on EP, whose links it
+    crosses); s2's split keeps 1/G of the tokens and their E weights
     (backward: their AllGather); the pipeline sends rows = tokens x ep_hit to each EP rank,
     M + L wide, and gets one row of M back for each; the expert runs on the rows' k / EP
     expected (token, expert) pairs per row sent, gathered over ESP; the combine adds the
@@ -563,7 +564,7 @@ def _exact_step_load(step: Step, s: LayerShape, held: Held, coll, need) -> tuple
     local, pieces = s.experts // s.ep, max(1, min(s.chunks, n))
     if op == "dispatch":
         per_piece = s.ep + (s.ep // s.relay if s.relay > 1 else 0)  # relayed: per node too
-        counts = coll("allgather", "ep", (2 + pieces * per_piece) * 8)
+        counts = coll("alltoall", "ep", (2 + pieces * per_piece) * 8)
         return StepLoad(forward=counts, moved=n * s.experts * 4), held
     if op == "split_capacity":
         need(n % s.mp == 0, f"{n} tokens do not split over MP {s.mp}")

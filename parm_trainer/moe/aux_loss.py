@@ -33,26 +33,34 @@ class Pending:
         return self.routing_map.sum(dim=0).to(torch.int64)
 
 
+# router -> its deferred loss, per thread: micro-batches taking turns (turns.py) each have one
+# (kept here, not on the router, so that a model stays deep-copyable)
+_PENDING = threading.local()
+
+
+def _pending() -> dict:
+    if not hasattr(_PENDING, "by_router"):
+        _PENDING.by_router = {}
+    return _PENDING.by_router
+
+
 class DeferringRouter(TopKRouter):
     """megatron-core's TopKRouter whose switch aux loss waits for the exchange when `defer`."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.defer = False  # set by ParmMoELayer where its exchange carries the counts
-        self._pending = threading.local()  # micro-batches taking turns (turns.py) each have one
 
     def _apply_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
         if not self.defer or with_padding_mask or self.get_aux_loss_coeff("aux_loss") == 0:
             return super()._apply_aux_loss(probs, scores_for_aux_loss, routing_map,
                                            with_padding_mask=with_padding_mask)
-        self._pending.value = Pending(scores_for_aux_loss, routing_map)
+        _pending()[id(self)] = Pending(scores_for_aux_loss, routing_map)
         return probs
 
     def take_pending(self) -> Pending | None:
         """This thread's deferred loss, if its last gate call left one (taken once)."""
-        pending = getattr(self._pending, "value", None)
-        self._pending.value = None
-        return pending
+        return _pending().pop(id(self), None)
 
     def attach(self, pending: Pending, mp_counts: torch.Tensor | None, activation):
         """activation with the deferred loss attached; mp_counts: each expert's tokens summed

@@ -127,11 +127,12 @@ def _agree_counts(pieces: list, masks: _Masks, ep: int, esp: int, me_ep: int, me
     if relay is not None:
         parts.append(per_piece(masks.hop_goes))
     me = torch.tensor([me_ep, me_esp], dtype=torch.int64, device=masks.goes.device)
-    tail = [] if extra is None else [extra.to(torch.int64)]
-    local = torch.cat([me] + [part.to(torch.int64).view(-1) for part in parts] + tail)
+    if extra is not None:
+        parts.append(extra)
+    local = torch.cat([me] + [part.to(torch.int64).view(-1) for part in parts])
     gathered = cu.gather_counts(local, parallel_state.get_expert_tensor_and_model_parallel_group())
-    ours = local.numel() - sum(t.numel() for t in tail)  # the columns this function reads
-    rows, extras = gathered[:, :ours].cpu(), (gathered[:, ours:] if tail else None)
+    ours = local.numel() - (0 if extra is None else extra.numel())  # the columns read here
+    rows, extras = gathered[:, :ours].cpu(), (None if extra is None else gathered[:, ours:])
     cut = [2, 2 + count * ep, 2 + count * (ep + experts)]
     table = torch.zeros(ep, esp, count, ep, dtype=torch.int64)  # sender's rows per EP rank
     table[rows[:, 0], rows[:, 1]] = rows[:, cut[0]:cut[1]].view(-1, count, ep)

@@ -18,6 +18,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from parm_trainer import moe_flags
+
 
 def _model_group(parser):
     g = parser.add_argument_group("model")
@@ -81,13 +83,12 @@ def _moe_group(parser):
                    help="Pad each expert's input to its full capacity (fixed shapes).")
     g.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs",
                    help="Which tokens to drop when over capacity.")
-    g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"],
-                   default="aux_loss", help="Load-balancing loss type.")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.01,
                    help="Weight of the load-balancing loss.")
     g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="Weight of router z-loss.")
     g.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"],
                    default="alltoall", help="megatron-core dispatcher used by the megatron schedule.")
+    moe_flags.add_flags(g)
     g.add_argument("--moe-parm-schedule", choices=["auto", "s1", "s2", "baseline", "megatron"],
                    default="auto",
                    help="MoE communication schedule: Parm's s1 (gate on split tokens) or s2 "
@@ -422,6 +423,8 @@ def _check(args) -> None:
     if not 0 <= args.min_lr <= args.lr:
         raise ArgumentsError(f"--min-lr {args.min_lr} must be between 0 and --lr {args.lr}")
     _check_backend(args)
+    if (moe_problem := moe_flags.problem(args)) is not None:
+        raise ArgumentsError(moe_problem)
     if not _split_is_valid(args.split):
         raise ArgumentsError(f"--split {args.split!r} must be up to three non-negative "
                              f"train,valid,test proportions with a positive sum, e.g. 969,30,1")

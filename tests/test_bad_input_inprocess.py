@@ -194,6 +194,32 @@ PRETRAIN_CASES = [
     ("cost_profile_missing", 1, ["--moe-parm-schedule", "auto", "--moe-parm-cost-profile",
                                  "{junk}/nothing.json"], 1,
      ["--moe-parm-cost-profile {junk}/nothing.json: no such file"]),
+    # today's MoE blocks (parm_trainer/moe_flags.py), as megatron-core's TransformerConfig
+    ("shared_expert_zero", 1, ["--moe-shared-expert-intermediate-size", "0"], 1,
+     ["--moe-shared-expert-intermediate-size must be at least 1, got 0"]),
+    ("expert_bias_with_softmax", 1, ["--moe-router-enable-expert-bias"], 1,
+     ["--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"]),
+    ("bias_update_rate_negative", 1, ["--moe-router-bias-update-rate", "-0.1"], 1,
+     ["--moe-router-bias-update-rate must be a non-negative number, got -0.1"]),
+    ("scaling_factor_zero", 1, ["--moe-router-topk-scaling-factor", "0"], 1,
+     ["--moe-router-topk-scaling-factor must be positive, got 0.0"]),
+    ("group_topk_without_groups", 1, ["--moe-router-group-topk", "1"], 1,
+     ["--moe-router-group-topk needs --moe-router-num-groups"]),
+    ("experts_vs_groups", 1, ["--moe-router-num-groups", "3", "--moe-router-group-topk", "1"],
+     1, ["--num-experts 4 is not divisible by --moe-router-num-groups 3"]),
+    ("group_topk_over_groups", 1, ["--moe-router-num-groups", "2", "--moe-router-group-topk",
+                                   "3"], 1,
+     ["--moe-router-group-topk 3 must not exceed --moe-router-num-groups 2"]),
+    ("topk_over_chosen_groups", 1, ["--moe-router-num-groups", "4", "--moe-router-group-topk",
+                                    "1"], 1,
+     ["--moe-router-topk 2 is more than the 1 experts of --moe-router-group-topk 1 groups"]),
+    ("shared_overlap_allgather", 1, ["--moe-shared-expert-intermediate-size", "8",
+                                     "--moe-shared-expert-overlap", "--moe-parm-schedule",
+                                     "megatron", "--moe-token-dispatcher-type", "allgather"], 1,
+     ["--moe-shared-expert-overlap with --moe-parm-schedule megatron works with "
+      "--moe-token-dispatcher-type alltoall only"]),
+    ("unknown_score_function", 1, ["--moe-router-score-function", "relu"], 2,
+     ["argument --moe-router-score-function: invalid choice: 'relu'"]),
 ]
 
 

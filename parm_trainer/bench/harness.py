@@ -81,7 +81,8 @@ def build_layer(name, config, args):
     else:
         layer = ParmMoELayer(config, spec.submodules, layer_number=1, schedule=name,
                              chunks=args.moe_parm_chunks, exchange=args.moe_parm_exchange,
-                             local_first=args.moe_parm_local_first)
+                             local_first=args.moe_parm_local_first,
+                             shared_overlap=getattr(args, "moe_shared_expert_overlap", False))
     layer.set_layer_number(1)  # as TransformerLayer does; the router tracks its aux loss by it
     return layer
 

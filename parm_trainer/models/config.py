@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from parm_trainer import moe_flags
 from parm_trainer.arguments import moe_layer_pattern
 
 
@@ -30,6 +31,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
             moe_z_loss_coeff=args.moe_z_loss_coeff,
             moe_token_dispatcher_type=args.moe_token_dispatcher_type,
             moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False),
+            **moe_flags.config_fields(args),
         )
     return TransformerConfig(
         num_layers=args.num_layers,

@@ -55,19 +55,22 @@ def gpt_layer_spec(config: TransformerConfig, args: argparse.Namespace,
     if args.moe_parm_schedule != "megatron":
         for layer in block.layer_specs:
             use_parm_moe_layer(layer, args.moe_parm_schedule, args.moe_parm_chunks,
-                               args.moe_parm_exchange, args.moe_parm_local_first)
+                               args.moe_parm_exchange, args.moe_parm_local_first,
+                               args.moe_shared_expert_overlap)
     return block
 
 
 def use_parm_moe_layer(layer_spec: ModuleSpec, schedule: str, chunks: int,
-                       exchange: str = "exact", local_first: bool = False) -> None:
+                       exchange: str = "exact", local_first: bool = False,
+                       shared_overlap: bool = False) -> None:
     """Swap megatron's MoELayer for ParmMoELayer in a layer spec, keeping router and experts."""
     mlp = layer_spec.submodules.mlp
     if isinstance(mlp, ModuleSpec) and mlp.module is MoELayer:
         layer_spec.submodules.mlp = ModuleSpec(
             module=ParmMoELayer, submodules=mlp.submodules,
             params={**(mlp.params or {}), "schedule": schedule, "chunks": chunks,
-                    "exchange": exchange, "local_first": local_first})
+                    "exchange": exchange, "local_first": local_first,
+                    "shared_overlap": shared_overlap})
 
 
 def language_model_kwargs(args: argparse.Namespace, config: TransformerConfig,

@@ -247,9 +247,10 @@ def _pieces(n: int, chunks: int, local_first: bool) -> list:
             + [_Piece(*span, "local") for span in comm.chunk_spans(n, 2)])
 
 
-def exchange(layer, routed: Routed, gather_mp: bool):
+def exchange(layer, routed: Routed, gather_mp: bool, on_wire=None):
     """The exact exchange of routed's tokens -> their MoE outputs (n, M), or with gather_mp
-    every MP rank's, in MP rank order (G n, M)."""
+    every MP rank's, in MP rank order (G n, M). on_wire() runs once every outbound piece is
+    on the wire (the shared expert, where it overlaps)."""
     ep_group, esp_group, mp_group = (layer.groups[g] for g in ("ep", "esp", "mp"))
     ep, esp = layer.ep_size, comm.group_size(esp_group)
     me_ep = parallel_state.get_expert_model_parallel_rank()
@@ -277,6 +278,8 @@ def exchange(layer, routed: Routed, gather_mp: bool):
     for p in sent:
         counts = cu.counts_of("alltoall", me_link, send=p.send, recv=p.recv)
         outbound.append(cu.start(payload(p), counts, link, name))
+    if on_wire is not None:
+        on_wire()
     computed = []  # the local pieces' (piece, outputs)
     for p in local[:1]:
         computed.append((p, _esp_experts(layer, payload(p), p, hidden, esp_group, me_esp)))

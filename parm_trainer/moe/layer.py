@@ -29,7 +29,8 @@ from megatron.core.transformer.moe.moe_utils import get_capacity, router_gating_
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import build_module
 
-from parm_trainer.moe import comm, node_relay, step_timing
+from parm_trainer.moe import comm, node_relay, shared_expert, step_timing
+from parm_trainer.moe.forced_routing import ForcedLogits
 from parm_trainer.moe.aux_loss import DeferringRouter
 from parm_trainer.moe.exchange import Routed, exchange, route
 from parm_trainer.moe.schedules import build_plan
@@ -56,7 +57,8 @@ class _Routing:
 class ParmMoELayer(MegatronModule):
     def __init__(self, config, submodules=None, layer_number: Optional[int] = None,
                  pg_collection=None, schedule: str = "s1", chunks: int = 1,
-                 exchange: str = "exact", local_first: bool = False):
+                 exchange: str = "exact", local_first: bool = False,
+                 shared_overlap: bool = False):
         super().__init__(config=config)
         self.layer_number = layer_number
         if schedule == "auto" or chunks < 1:
@@ -103,8 +105,20 @@ class ParmMoELayer(MegatronModule):
         # rank already holds the whole gradient.
         self.router.weight.sequence_parallel = (self.plan.splits_tokens
                                                 and bool(config.sequence_parallel))
+        # Global aux loss: counts summed over the ranks holding distinct tokens (DP, and MP
+        # where the gate splits them; megatron's layer always splits them over MP)
+        if not self.plan.splits_tokens and self.mp_size > 1:
+            self.router.tp_dp_cp_group = parallel_state.get_data_parallel_group(
+                with_context_parallel=True)
         self.experts = build_module(submodules.experts, self.num_local_experts, config,
                                     pg_collection=pg_collection)
+        # megatron's SharedExpertMLP, built with its own TP collectives (never the split API
+        # megatron's dispatcher drives): Parm places the whole call, before the plan or, with
+        # shared_overlap, while the exchange's first pieces are on the wire (shared_expert.py)
+        self.shared_experts = shared_expert.build(config, submodules, pg_collection)
+        self.shared_overlap = shared_overlap and self.shared_experts is not None
+        self.force_balance = (ForcedLogits(layer_number)
+                              if config.moe_router_force_load_balancing else None)
 
     def _mp_in_exchange_group(self):
         """The MP ranks' positions in the exact exchange's count AllGather (over EP x ESP),
@@ -121,16 +135,25 @@ class ParmMoELayer(MegatronModule):
     def set_layer_number(self, layer_number: int):
         self.layer_number = layer_number
         self.router.set_layer_number(layer_number)
+        if self.force_balance is not None:
+            self.force_balance.layer_number = layer_number
 
     # --- steps -------------------------------------------------------------------------------
     def _gate(self, tokens, seq_shape, split: bool):
-        weight = self.router.weight
+        """megatron's TopKRouter.forward on these tokens (routing() holds the score function,
+        expert bias, group-limited top-k, scaling and the aux losses), the gate weight copied
+        into the MP group where the tokens are split."""
+        router = self.router
+        router._maintain_float32_expert_bias()
+        weight = router.weight
         if split and not weight.sequence_parallel:  # else finalize_model_grads sums it
             weight = comm.copy_to(weight, self.groups["mp"], "mp")
         dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype,
                                                                     tokens.dtype)
-        logits = router_gating_linear(tokens, weight, self.router.bias, dtype)
-        return self.router.routing(logits.view(*seq_shape, self.num_experts))
+        logits = router_gating_linear(tokens, weight, router.bias, dtype)
+        if self.force_balance is not None:  # --moe-router-force-load-balancing
+            logits = self.force_balance(logits)
+        return router.routing(logits.view(*seq_shape, self.num_experts))
 
     def _capacity(self, routing_map) -> int:
         n = routing_map.shape[0]
@@ -175,7 +198,7 @@ class ParmMoELayer(MegatronModule):
                                                           device=x.device))
         return out.view(local, ep, c, hidden).transpose(0, 1).reshape(ep * local, c, hidden)
 
-    def _pipeline(self, x, gather_mp: bool):
+    def _pipeline(self, x, gather_mp: bool, on_wire=None):
         """The expert exchange of s1 (and s2, gather_mp) on (E, c, M) in self.chunks pieces of
         the capacity slots. Every piece's AlltoAll is issued at once; while later pieces are
         on the wire, piece i is gathered over ESP, computed, reduce-scattered and sent back
@@ -187,6 +210,8 @@ class ParmMoELayer(MegatronModule):
         if not spans:  # no capacity slots (agreed on every rank): nothing to exchange
             return x
         outbound = [comm.start("alltoall", x.narrow(1, *span), ep, "ep") for span in spans]
+        if on_wire is not None:
+            on_wire()
         inbound = []
         for started in outbound:
             y = comm.all_gather(comm.finish(started), esp, "esp", dim=1)
@@ -209,6 +234,8 @@ class ParmMoELayer(MegatronModule):
         seq_shape, routing = (seq, batch), None
         clock = (step_timing.layer_clock(self.layer_number, self.step_labels)
                  if self.training and torch.is_grad_enabled() else None)
+        shared_out = shared_expert.Deferred(self.shared_experts, hidden_states,
+                                            self.shared_overlap)
         for step in self.plan.steps:
             op = step.op
             if clock is not None:  # --timing-log-level 2
@@ -237,8 +264,8 @@ class ParmMoELayer(MegatronModule):
                 x = self._expert(x)
             elif op == "pipeline":
                 gather_mp = "mp" in step.group.split(",")
-                x = (exchange(self, x, gather_mp) if isinstance(x, Routed)
-                     else self._pipeline(x, gather_mp))
+                x = (exchange(self, x, gather_mp, shared_out.run) if isinstance(x, Routed)
+                     else self._pipeline(x, gather_mp, shared_out.run))
             elif op == "combine" and self.exact:
                 pass  # the exact exchange added every row into its token already
             elif op == "combine":
@@ -247,4 +274,4 @@ class ParmMoELayer(MegatronModule):
                 raise ValueError(f"unknown plan step {step}")
         if clock is not None:
             x = clock.leave(x)
-        return x.view(-1, batch, hidden), None
+        return shared_out.add_to(x.view(-1, batch, hidden)), None

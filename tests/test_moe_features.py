@@ -13,9 +13,10 @@ shared expert overlapped and not, must give megatron's output, gradients and rou
     .venv/bin/python -m pytest tests/test_moe_features.py -q
 """
 
+import re
 from pathlib import Path
 
-from conftest import RANK_MAIN, run_rank_workers
+from conftest import RANK_MAIN, launch, max_relative, run_rank_workers, tiny_gpt_args
 
 WORKER = (Path(__file__).parent / "worker_moe_features.py").read_text()
 
@@ -51,3 +52,70 @@ def test_a_shared_expert_with_biases_is_refused():
     with pytest.raises(ArgumentsError, match="shared expert has no biases; add "
                                              "--disable-bias-linear"):
         parse_args(["--num-experts", "4", "--moe-shared-expert-intermediate-size", "8"])
+
+
+# A DeepSeek-V3-shaped GPT-MoE, small: the first layer dense, 16 fine-grained experts top-4 in
+# 4 groups (2 chosen), sigmoid scores with the expert bias and a scaling factor, a gated shared
+# expert, the sequence-level aux loss, an fp32 router; SwiGLU, RMSNorm, RoPE, no biases
+DEEPSEEK_GPT = {"num-layers": 3, "moe-layer-freq": "([0]+[1]*2)", "num-experts": 16,
+                "moe-router-topk": 4, "moe-ffn-hidden-size": 32,
+                "moe-router-score-function": "sigmoid", "moe-router-enable-expert-bias": True,
+                "moe-router-num-groups": 4, "moe-router-group-topk": 2,
+                "moe-router-topk-scaling-factor": 2.5,
+                "moe-shared-expert-intermediate-size": 64, "moe-shared-expert-gate": True,
+                "moe-router-load-balancing-type": "seq_aux_loss", "moe-aux-loss-coeff": 0.001,
+                "moe-router-dtype": "fp32", "swiglu": True, "normalization": "RMSNorm",
+                "position-embedding-type": "rope", "untie-embeddings-and-output-weights": True,
+                "train-iters": 20, "moe-parm-tune-cache": "none"}
+TP2_EP2_SP = {"tensor-model-parallel-size": 2, "expert-model-parallel-size": 2,
+              "sequence-parallel": True}
+
+
+def test_deepseek_like_gpt_trains_as_megatrons_layer(gpt_data, tmp_path):
+    """20 iterations with Parm's default flags (auto schedule and depth, measured at start-up)
+    and with megatron's own layer, TP 2 x EP 2 with SP: the same losses (1e-5 relative), the
+    same tokens per expert (the expert bias moved alike); and Parm under PP 2 x EP 2 with s2
+    and the shared expert overlapped trains the same model (the layout-free weights)."""
+    runs = {}
+    for name, flags in (("megatron", {**TP2_EP2_SP, "moe-parm-schedule": "megatron"}),
+                        ("parm", {**TP2_EP2_SP, "moe-per-layer-logging": True}),
+                        ("parm_pp2", {"pipeline-model-parallel-size": 2,
+                                      "decoder-first-pipeline-num-layers": 2,
+                                      "expert-model-parallel-size": 2,
+                                      "moe-parm-schedule": "s2", "moe-parm-chunks": 2,
+                                      "moe-shared-expert-overlap": True})):
+        runs[name] = launch(4, tiny_gpt_args(gpt_data, **DEEPSEEK_GPT, **flags), tmp_path)
+        assert runs[name].returncode == 0, runs[name].output[-4000:]
+        assert len(runs[name].loss()) == 20, runs[name].output[-3000:]
+    megatron, parm = runs["megatron"], runs["parm"]
+    assert "--moe-parm-schedule auto --moe-parm-chunks 0: forward+backward" in parm.output
+    assert max_relative(parm.loss(), megatron.loss()) < 1e-5
+    assert max_relative(parm.loss("seq_load_balancing_loss"),
+                        megatron.loss("seq_load_balancing_loss")) < 1e-5
+    assert parm.loss("tokens per expert") == megatron.loss("tokens per expert")
+    assert megatron.loss()[-1] < megatron.loss()[0] - 0.3  # it learns
+    # --moe-per-layer-logging: each MoE layer's loss (not the dense first one's), their mean
+    per_layer = re.findall(r"^router losses per MoE layer at iteration 20 \| layer 2: "
+                           r"seq_load_balancing_loss ([\d.]+) \| layer 3: "
+                           r"seq_load_balancing_loss ([\d.]+)$", parm.output, re.M)
+    assert len(per_layer) == 1, parm.output[-3000:]
+    mean = sum(map(float, per_layer[0])) / 2
+    assert abs(mean - parm.loss("seq_load_balancing_loss")[-1]) < 1e-4
+    assert max_relative(runs["parm_pp2"].loss(), megatron.loss()) < 1e-4
+
+
+def test_moe_bert_with_the_features_trains_as_megatrons_layer(bert_data, tmp_path):
+    """MoE BERT, EP 2 on 2 ranks, the same blocks (GELU, LayerNorm, learned positions): Parm's
+    default flags and megatron's layer give the same masked-LM and sentence-order losses."""
+    flags = {key: value for key, value in DEEPSEEK_GPT.items()
+             if key not in ("swiglu", "normalization", "position-embedding-type")}
+    flags.update({"expert-model-parallel-size": 2, "train-iters": 8})
+    runs = [launch(2, tiny_gpt_args(bert_data, **flags, **extra), tmp_path,
+                   script="pretrain_bert_moe.py")
+            for extra in ({"moe-parm-schedule": "megatron"}, {})]
+    for run in runs:
+        assert run.returncode == 0 and len(run.loss()) == 8, run.output[-3000:]
+    megatron, parm = runs
+    for name in ("lm loss", "sop loss", "seq_load_balancing_loss"):
+        assert max_relative(parm.loss(name), megatron.loss(name)) < 1e-5, name
+    assert parm.loss("tokens per expert") == megatron.loss("tokens per expert")

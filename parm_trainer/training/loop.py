@@ -23,6 +23,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe import moe_utils
 
+from parm_trainer.arguments import moe_layer_pattern
 from parm_trainer.models.config import num_moe_layers, transformer_config
 from parm_trainer.parallel import destroy_distributed, rank_device
 from parm_trainer.training import (async_save, checkpointing, faults, memory, memory_probe,
@@ -34,7 +35,9 @@ from parm_trainer.training.flops import flops_per_iteration
 from parm_trainer.training.logger import MetricsLogger, print_rank_0, print_rank_last
 from parm_trainer.training.setup import build_model, build_optimizer, wire_config
 
-MOE_LOSS_NAMES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
+MOE_LOSS_NAMES = ("load_balancing_loss", "seq_load_balancing_loss",
+                  "global_load_balancing_loss", "z_loss")
+PER_LAYER = "moe losses per layer"  # --moe-per-layer-logging: {name: [each layer's value]}
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -74,8 +77,10 @@ def _moe_loss_names() -> list:
     return [name for name in MOE_LOSS_NAMES if any(name in names for names in gathered)]
 
 
-def _moe_losses(num_microbatches: int, moe_layers: int, names: list, num_layers: int) -> dict:
-    """Mean over MoE layers of megatron's tracked router losses (unscaled by their coeffs)."""
+def _moe_losses(num_microbatches: int, moe_layers: int, names: list, num_layers: int,
+                per_layer: bool = False) -> dict:
+    """Mean over MoE layers of megatron's tracked router losses (unscaled by their coeffs);
+    with per_layer also each layer's (0 for dense layers), under PER_LAYER."""
     tracker = moe_utils.get_moe_layer_wise_logging_tracker()
     device = rank_device()
     for name in names:  # this stage's share of a loss only other stages' layers have: zeros
@@ -85,6 +90,9 @@ def _moe_losses(num_microbatches: int, moe_layers: int, names: list, num_layers:
     moe_utils.reduce_aux_losses_tracker_across_ranks(names)
     out = {name: (tracker[name]["values"].sum() / num_microbatches / moe_layers).item()
            for name in names}
+    if per_layer:
+        out[PER_LAYER] = {name: (tracker[name]["values"] / num_microbatches).tolist()
+                          for name in names}
     moe_utils.clear_aux_losses_tracker()
     return out
 
@@ -203,7 +211,8 @@ class Trainer:
             if self.moe_loss_names is None:
                 self.moe_loss_names = _moe_loss_names()
             metrics.update(_moe_losses(self.args.num_microbatches, self.num_moe_layers,
-                                       self.moe_loss_names, self.args.num_layers))
+                                       self.moe_loss_names, self.args.num_layers,
+                                       getattr(self.args, "moe_per_layer_logging", False)))
             metrics["tokens per expert"] = self.expert_tokens.collect()
         elif self.num_moe_layers:
             moe_utils.clear_aux_losses_tracker()
@@ -255,7 +264,8 @@ class Trainer:
         tokens_per_s = a.global_batch_size * a.seq_length / seconds_per_iter
         tflops = self.flops / seconds_per_iter / a.world_size / 1e12
         eta = (a.train_iters - self.iteration) * seconds_per_iter
-        scalars = {k: v for k, v in metrics.items() if k != "tokens per expert"}
+        per_layer = metrics.get(PER_LAYER, {})
+        scalars = {k: v for k, v in metrics.items() if k not in ("tokens per expert", PER_LAYER)}
         extra = "".join(f" | {k} {v:.4f}" for k, v in scalars.items()
                         if k not in ("lm loss", "lr", "grad norm"))
         print_rank_last(
@@ -266,6 +276,15 @@ class Trainer:
             f"peak {memory.KIND} {peak_mib:.1f} MiB{self._estimate}")
         if report:
             print_rank_last(run_timers.format_report(report, a.timing_log_option))
+        if per_layer:  # Megatron-LM's names: moe/<loss>_layer_<n>
+            layers = [i for i, moe in enumerate(moe_layer_pattern(a.moe_layer_freq,
+                                                                  a.num_layers)) if moe]
+            print_rank_last(f"router losses per MoE layer at iteration {self.iteration} | "
+                            + " | ".join(f"layer {i + 1}: " + ", ".join(
+                                f"{name} {values[i]:.4f}" for name, values in per_layer.items())
+                                for i in layers))
+            scalars.update({f"moe/{name}_layer_{i + 1}": values[i]
+                            for name, values in per_layer.items() for i in layers})
         if "tokens per expert" in metrics:
             table = metrics["tokens per expert"]
             print_rank_last(f"tokens per expert at iteration {self.iteration} | "
@@ -322,7 +341,8 @@ class Trainer:
             self.iteration += 1
             self.consumed += a.global_batch_size
             window_iters += 1
-            self.logger.record(self.iteration, metrics)
+            self.logger.record(self.iteration, {k: v for k, v in metrics.items()
+                                                if k != PER_LAYER})
             if logs_now:
                 now = time.perf_counter()
                 self._log(metrics, (now - window_start) / window_iters, window_iters)

@@ -89,6 +89,9 @@ def test_deepseek_like_gpt_trains_as_megatrons_layer(gpt_data, tmp_path):
         assert len(runs[name].loss()) == 20, runs[name].output[-3000:]
     megatron, parm = runs["megatron"], runs["parm"]
     assert "--moe-parm-schedule auto --moe-parm-chunks 0: forward+backward" in parm.output
+    # auto measured the shared expert's place for its chosen schedule and depth
+    assert re.search(r"with the shared expert before the gate [\d.]+ ms, overlapped with the "
+                     r"exchange [\d.]+ ms", parm.output), parm.output[-3000:]
     assert max_relative(parm.loss(), megatron.loss()) < 1e-5
     assert max_relative(parm.loss("seq_load_balancing_loss"),
                         megatron.loss("seq_load_balancing_loss")) < 1e-5
@@ -119,3 +122,26 @@ def test_moe_bert_with_the_features_trains_as_megatrons_layer(bert_data, tmp_pat
     for name in ("lm loss", "sop loss", "seq_load_balancing_loss"):
         assert max_relative(parm.loss(name), megatron.loss(name)) < 1e-5, name
     assert parm.loss("tokens per expert") == megatron.loss("tokens per expert")
+
+
+def test_the_start_up_line_says_where_routing_groups_limit_the_exchange():
+    from parm_trainer.arguments import parse_args
+    from parm_trainer.moe_flags import group_limit_note
+
+    def note(ep, groups, world, per_node):
+        args = parse_args(["--num-experts", "32", "--moe-router-topk", "8",
+                           "--moe-router-num-groups", str(groups), "--moe-router-group-topk",
+                           "2", "--expert-model-parallel-size", str(ep)], world_size=world)
+        return group_limit_note(args, per_node)
+
+    # node-limited (DeepSeek-V3): 4 groups on 4 nodes of 4 EP ranks each
+    assert note(16, 4, 16, 4).endswith("a token's rows go to at most 2 of the 4 nodes of its "
+                                       "EP group")
+    # device-limited: a group per EP rank
+    assert "each group on one EP rank, so a token goes to at most 2 of the 8 EP ranks" in \
+        note(8, 8, 8, 8)
+    # one EP rank per node, two groups of two ranks' experts each: no node bound
+    assert "the groups do not line up with the 4 nodes" in note(4, 2, 4, 1)
+    assert note(4, 2, 4, 4) == ("group-limited routing: 2 groups of 16 experts, 2 per token; a "
+                                "group on 2 EP ranks, so a token goes to at most 4 of the 4 EP "
+                                "ranks (no limit)")

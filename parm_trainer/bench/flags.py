@@ -16,6 +16,7 @@ import sys
 
 from parm_trainer.arguments import parse_args
 from parm_trainer.bench import peers
+from parm_trainer.bench.features import beyond_reference
 from parm_trainer.moe.reference import ACTIVATION, ROUTER
 
 PARM = ("baseline", "s1", "s2", "auto")
@@ -119,10 +120,11 @@ def parse(argv, world_size=None):
         raise ToolError("--swiglu: the reference implements the gelu expert only")
     if args.bf16 and any(name.startswith("deepspeed") for name in args.schedule_list):
         raise ToolError("--bf16: the DeepSpeed peers run in fp32 here")
-    if args.moe_z_loss_coeff:
-        raise ToolError("--moe-z-loss-coeff: the reference has no z-loss")
-    if args.moe_router_load_balancing_type not in ("aux_loss", "none"):
-        raise ToolError("--moe-router-load-balancing-type: the reference implements aux_loss")
+    # today's MoE blocks: checked against megatron's row instead of the reference (features.py)
+    args.beyond_reference = beyond_reference(args)
+    if args.beyond_reference and any(name.startswith("deepspeed") for name in args.schedule_list):
+        raise ToolError(f"{args.beyond_reference[0]}: the DeepSpeed peers have no such MoE "
+                        "block; leave --peers deepspeed out")
     if args.moe_router_load_balancing_type == "none":
         args.moe_aux_loss_coeff = 0.0
     args.link_bytes_per_s = link_rate(args.inter_node_rate) if args.inter_node_rate else None

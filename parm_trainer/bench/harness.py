@@ -15,6 +15,7 @@ import os
 import torch
 
 from parm_trainer.bench import ledger, peers
+from parm_trainer.bench.features import SharedWeights, check_against_megatron
 from parm_trainer.bench.layout import device as current_device
 from parm_trainer.bench.layout import ensure_distributed, gather_mp, max_over_ranks, set_layout
 from parm_trainer.bench.peers import PeerCannotRun, megatron
@@ -87,7 +88,7 @@ def build_layer(name, config, args):
     return layer
 
 
-def run_schedule(name, args, replica, weights, device, dump_dir):
+def run_schedule(name, args, replica, weights, device, dump_dir, shared=None):
     """A Parm schedule or megatron-core's layer: one checked iteration (its bytes counted),
     and the step to time. Returns (result, step)."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
@@ -97,6 +98,8 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
 
     layer = build_layer(args.moe_parm_schedule, transformer_config(args), args)
     shards = load_weights(layer, weights, args)
+    if shared is not None:
+        shared.load(layer)
     layer.to(device)
     layer.train()
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, device=device))
@@ -111,9 +114,14 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
     x, out, _, _ = step()
     sent_local, received_local = ledger.snapshot(), ledger.snapshot("received")
     aux = tracked_aux(device)
-    ref = replica.reference(gate_calls(args.moe_parm_schedule, args))
-    diffs, scale, rel, full_out, full_in_grad = compare_layer(layer, shards, x, out, aux, ref,
-                                                              args)
+    if args.beyond_reference:  # checked against megatron's row once every row ran
+        full_out = gather_mp(out.detach(), args.sequence_parallel).float()
+        full_in_grad = gather_mp(x.grad.detach(), args.sequence_parallel).float()
+        diffs, scale, rel = ({key: None for key in DIFF_KEYS} for _ in range(3))
+    else:
+        ref = replica.reference(gate_calls(args.moe_parm_schedule, args))
+        diffs, scale, rel, full_out, full_in_grad = compare_layer(layer, shards, x, out, aux,
+                                                                  ref, args)
     dump_result(dump_dir, name, full_out, full_in_grad)
     del x, out
     sent, received, cross = ledger.gather_row_bytes(sent_local, received_local,
@@ -140,6 +148,8 @@ def run_schedule(name, args, replica, weights, device, dump_dir):
         "rel_l2_diff": rel,
         "aux_loss": None if aux is None else aux.item(),
     }
+    if args.beyond_reference:
+        result["_full"] = (full_out, full_in_grad)
     return result, step
 
 
@@ -207,13 +217,16 @@ def run_config(args, name=None, dump_dir=None):
         replica = Replica(runnable[0][1], weights, device)
         dump_inputs(dump_dir, args, replica, weights)
         unique_bytes = ledger.unique_payload_bytes(runnable[0][1], replica)
-        timed = {}
+        timed, shared = {}, SharedWeights()
         for schedule, trial in runnable:
-            runner = run_peer if trial.peer else run_schedule
             try:
-                timed[schedule] = runner(schedule, trial, replica, weights, device, dump_dir)
+                timed[schedule] = (
+                    run_peer(schedule, trial, replica, weights, device, dump_dir) if trial.peer
+                    else run_schedule(schedule, trial, replica, weights, device, dump_dir,
+                                      shared))
             except PeerCannotRun as error:  # raised on every rank alike, before any timing
                 results[schedule] = {"status": "skipped", "reason": str(error)}
+        check_against_megatron(timed)
         time_schedules(timed, args)
         if args.step_times:
             time_steps(timed, args)

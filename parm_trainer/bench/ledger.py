@@ -64,7 +64,9 @@ def _unique_payload(args, replica) -> dict:
     from megatron.core import parallel_state
 
     hidden, experts = args.hidden_size, args.num_experts
-    routing = replica.reference(gate_calls=replica.mp_size)["routing_map"]  # s1's gate calls
+    routing = replica.routing_map(gate_calls=replica.mp_size)  # s1's gate calls
+    if routing is None:
+        return None
     mine = routing.chunk(replica.mp_size)[replica.mp_rank]
     ep_ranks = torch.distributed.get_process_group_ranks(
         parallel_state.get_expert_model_parallel_group())
@@ -83,10 +85,12 @@ def _unique_payload(args, replica) -> dict:
     return out
 
 
-def unique_payload_bytes(args, replica) -> int:
+def unique_payload_bytes(args, replica):
     """The unique payload leaving the busiest node, summed over every rank's tokens."""
     unique = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(unique, _unique_payload(args, replica))
+    if None in unique:  # no routing to count (forced balancing routes on random logits)
+        return None
     nodes = {}
     for per_node in unique:
         for node, nbytes in per_node.items():

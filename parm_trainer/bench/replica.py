@@ -47,6 +47,18 @@ class Replica:
             return full.clone()
         return full.chunk(self.mp_size, dim=0)[self.mp_rank].contiguous()
 
+    def routing_map(self, gate_calls: int):
+        """(T, E) bool: the (token, expert) pairs of this replica's tokens, gated in
+        gate_calls calls: the reference's, or megatron's routing where the row's flags go
+        beyond the reference (features.py; None under forced balancing)."""
+        if not self.args.beyond_reference:
+            return self.reference(gate_calls)["routing_map"]
+        from parm_trainer.bench.features import routing_map
+
+        s, b, m = self.input.shape
+        return routing_map(self.args, self.input.reshape(s * b, m), self.weights["gate"],
+                           gate_calls)
+
     def reference(self, gate_calls: int, aux: bool = True):
         """Reference output, input grad and raw aux on this replica; weight grads summed over
         all replicas (an all-reduce over the DP group: every rank must ask for the same keys in

@@ -54,6 +54,7 @@ def config_summary(args):
         "warmup": args.warmup,
         "router": router_name(args),
         "activation": ACTIVATION,
+        "beyond_reference": getattr(args, "beyond_reference", []),  # features.py
     }
 
 
@@ -82,6 +83,8 @@ def _head(run) -> str:
             f"{' pre-softmax' if c.get('moe_router_pre_softmax') else ''} M {c['hidden_size']}"
             f" H {c['moe_ffn_hidden_size']} S {c['seq_length']} B {c['micro_batch_size']}"
             f" f {c['moe_expert_capacity_factor'] or 'dropless'} chunks {c['moe_parm_chunks']}")
+    if c.get("beyond_reference"):
+        head += "; " + ", ".join(flag.removeprefix("--") for flag in c["beyond_reference"])
     return f"[{run['name']}] " + head if run.get("name") else head
 
 
@@ -135,7 +138,7 @@ def format_table(run) -> str:
                  f"{fmt(unique and unique / 1024, '.1f')}"
                  f" KiB leaving the busiest node, {fmt(unique_ms, '.1f')} ms: each token once "
                  "per remote node of its experts, out and back, forward and backward); "
-                 "d: max abs diff to reference.py")
+                 f"d: max abs diff to {_checked_against(run)}")
     return "\n".join(lines)
 
 
@@ -172,3 +175,10 @@ def emit(runs, payload, json_path) -> None:
             with open(json_path, "w") as fh:
                 json.dump(payload, fh, indent=1)
     torch.distributed.barrier()  # rank 0 has written its files
+
+
+def _checked_against(run) -> str:
+    """What the rows' d columns compare with: reference.py, or (flags beyond it, features.py)
+    megatron's row."""
+    against = {r.get("checked_against") for r in run["schedules"].values()} - {None}
+    return f"the {against.pop()} row (output, input grad)" if against else "reference.py"

@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from parm_trainer import moe_flags
 from parm_trainer.moe import node_relay
 from parm_trainer.moe.auto import label
 from parm_trainer.parallel import rank_device
@@ -66,6 +67,7 @@ def _key(args, candidates) -> str:
                   args.moe_expert_capacity_factor, bool(args.moe_router_pre_softmax),
                   "bf16" if args.bf16 else "fp32"],
         "exchange": args.moe_parm_exchange, "candidates": [list(c) for c in candidates],
+        "blocks": moe_flags.config_fields(args),  # shared expert, routing (moe_flags.py)
         # entries timed otherwise are re-measured
         "timing": f"interleaved {WARMUP}+{ROUNDS} shuffled, run-off {RUNOFF_ROUNDS} within "
                   f"{RUNOFF_MARGIN:.0%}, one set of weights"},
@@ -203,9 +205,10 @@ def _measure(args, candidates) -> tuple:
         device, torch.bfloat16 if args.bf16 else torch.float32)
 
     def run(candidate) -> float:
-        name, chunks, local = candidate
+        name, chunks, local, *overlap = candidate  # (..., shared expert overlapped)
         layer = layers[name]
         layer.chunks, layer.local_first = chunks, local
+        layer.shared_overlap = bool(overlap and overlap[0])
         x_i = x.detach().requires_grad_()
         torch.distributed.barrier()
         start = time.perf_counter()
@@ -244,6 +247,24 @@ def runnable_candidates(args) -> list:
 
 
 
+def _overlap_open(args) -> bool:
+    """Whether the shared expert's place is left to measure: a shared expert, and no
+    --moe-shared-expert-overlap forcing it."""
+    return (getattr(args, "moe_shared_expert_intermediate_size", None) is not None
+            and not getattr(args, "moe_shared_expert_overlap", False))
+
+
+def _measure_overlap(args, best) -> dict:
+    """The chosen candidate with the shared expert before the gate and overlapped with the
+    exchange, timed as the candidates are: {"shared_overlap": the faster is overlapped,
+    "shared_overlap_ms": [before, overlapped]}."""
+    pair = [(*best, False), (*best, True)]
+    seconds, _ = _measure(args, pair)
+    before, overlapped = (seconds[c] for c in pair)
+    return {"shared_overlap": overlapped < before,
+            "shared_overlap_ms": [round(before * 1e3, 3), round(overlapped * 1e3, 3)]}
+
+
 def tune_at_startup(args, log=print) -> None:
     """Resolve what auto.resolve_auto_schedule left to measure (args.moe_parm_tune_candidates):
     from the cache, or measured now and cached. Collective: every rank calls it."""
@@ -268,6 +289,8 @@ def tune_at_startup(args, log=print) -> None:
                                                      for c, s in measured.items()},
                  "run_off": [label(*c) for c in run_off],
                  "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+        if _overlap_open(args):
+            entry.update(_measure_overlap(args, best))
         source = f"measured at start-up in {time.perf_counter() - start:.1f} s"
         if rank0 and path:
             try:
@@ -281,9 +304,16 @@ def tune_at_startup(args, log=print) -> None:
     if run_off:
         times += f" ({' and '.join(run_off)} within {RUNOFF_MARGIN * 100:.0f} %: "\
                  f"{RUNOFF_ROUNDS} more runs each)"
+    if "shared_overlap_ms" in entry:
+        before, overlapped = entry["shared_overlap_ms"]
+        times += (f"; {name} r={r} with the shared expert before the gate {before:.2f} ms, "
+                  f"overlapped with the exchange {overlapped:.2f} ms")
+    overlap = bool(entry.get("shared_overlap"))
     log(f"--moe-parm-schedule {args.moe_parm_schedule} --moe-parm-chunks "
         f"{args.moe_parm_chunks}: forward+backward per MoE layer {times} ({source}); "
-        f"using {name} with --moe-parm-chunks {r}" + (" --moe-parm-local-first" if local else ""))
+        f"using {name} with --moe-parm-chunks {r}" + (" --moe-parm-local-first" if local else "")
+        + (" --moe-shared-expert-overlap" if overlap else ""))
+    args.moe_shared_expert_overlap = args.moe_shared_expert_overlap or overlap
     args.moe_parm_schedule, args.moe_parm_chunks = name, int(r)
     args.moe_parm_local_first = bool(local)
     args.moe_parm_tune_candidates = None

@@ -130,13 +130,15 @@ class ModelCost:
         params = (M * (M + 2 * M * groups / heads) + M * M) / T + M
         return f, b, params
 
-    def mlp(self) -> tuple:
+    def mlp(self, width=None) -> tuple:
+        """(forward, backward, params) of a dense MLP of `width` (--ffn-hidden-size)."""
         a, n, M = self.args, self.n, self.args.hidden_size
+        width = width or a.ffn_hidden_size
         mats = 3 if getattr(a, "swiglu", False) else 2
-        flops = 2 * n * M * a.ffn_hidden_size * mats / self.tp
+        flops = 2 * n * M * width * mats / self.tp
         norm = 2 * n * M * self.e / (self.tp if self.sp else 1)
         f, b = self._mp_block(self.gemm(flops, calls=2), self.traffic(norm))  # fc1, fc2
-        return f, b, M * a.ffn_hidden_size * mats / self.tp + M
+        return f, b, M * width * mats / self.tp + M
 
     def moe_mlp(self) -> tuple:
         """(forward, backward, expert params, router params) of the MoE MLP: the plan cost of
@@ -163,7 +165,14 @@ class ModelCost:
         local = a.num_experts // a.expert_model_parallel_size
         experts = local * a.hidden_size * a.moe_ffn_hidden_size * mats / \
             a.expert_tensor_parallel_size
-        return best["forward_s"], best["backward_s"], experts, a.hidden_size * a.num_experts
+        forward, backward = best["forward_s"], best["backward_s"]
+        dense = a.hidden_size * a.num_experts  # the router
+        shared = getattr(a, "moe_shared_expert_intermediate_size", None)
+        if shared:  # a dense MLP of its width beside the exchange, priced as not overlapped
+            sf, sb, params = self.mlp(shared)
+            forward, backward = forward + sf, backward + sb
+            dense += params - a.hidden_size + (a.hidden_size if a.moe_shared_expert_gate else 0)
+        return forward, backward, experts, dense
 
     def activations(self, kind: str) -> float:
         """Bytes autograd saves for one micro-batch in piece `kind` on this rank (the local
@@ -201,6 +210,9 @@ class ModelCost:
             rows = n * k * esp / T
             mlp = (n * M * e + n * (a.num_experts * 4 + k * 24 + 20)     # router and routing
                    + (widths + 1) * rows * a.moe_ffn_hidden_size / esp * e + 2 * rows * M * e)
+            shared = getattr(a, "moe_shared_expert_intermediate_size", None)
+            if shared:  # its fc1 input (gathered under SP) and fc1/activation outputs
+                mlp += n * M * e + widths * n * shared / T * e
         return attention + norm + mlp + hidden_drop
 
     def layer(self, moe: bool) -> Piece:

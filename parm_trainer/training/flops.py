@@ -6,6 +6,8 @@ Per token and layer, forward:  2 * h * d * (2 n + 2 g_kv)        attention proje
                              + 2 * h * E                        router (MoE layers)
                              + 2 * k * g * h * H                k active experts (g = 3 with SwiGLU,
                                                                 2 otherwise); dense MLP: k=1, H=F
+                             + 2 * g * h * S (+ 2 * h)          the shared expert of width S (and
+                                                                its gate), where there is one
 plus 2 * h * V per token for the logits. Training = 3 x forward (backward ~ 2 x forward).
 Causal masking is not discounted, matching Megatron-LM's reporting.
 """
@@ -27,6 +29,9 @@ def flops_per_iteration(args, vocab_size: int | None = None) -> float:
     moe_layers = num_moe_layers(args)
     moe_mlp = 2 * h * (args.num_experts or 0) + 2 * args.moe_router_topk * gated * h * (
         args.moe_ffn_hidden_size or 0)
+    shared = getattr(args, "moe_shared_expert_intermediate_size", None)
+    if shared and args.num_experts:
+        moe_mlp += 2 * gated * h * shared + (2 * h if args.moe_shared_expert_gate else 0)
     forward_per_token = (L * per_layer_common + moe_layers * moe_mlp
                          + (L - moe_layers) * dense_mlp + 2 * h * vocab)
     tokens = args.global_batch_size * s

@@ -80,6 +80,7 @@ def initialize(argv=None, extra_args_provider=None, check_inputs=None):
     initialize_distributed(args)
     _report_modules(args)
     _report_relay()
+    _report_groups(args)
     tune_at_startup(args, log=_print_rank_0)
     return args
 
@@ -101,6 +102,15 @@ def _report_relay() -> None:
                       f"ranks ({node_relay.ranks_per_node()} ranks per node): each token crosses"
                       " the node link once per destination node (--moe-parm-exchange direct: "
                       "one hop to each EP rank)")
+
+
+def _report_groups(args) -> None:
+    from parm_trainer.moe import node_relay
+    from parm_trainer.moe_flags import group_limit_note
+
+    note = group_limit_note(args, node_relay.ranks_per_node())
+    if note is not None:
+        _print_rank_0(note)
 
 
 def report_memory(args) -> None:

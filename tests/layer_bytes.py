@@ -31,14 +31,15 @@ def expected_forward_bytes(schedule, mp, ep, esp, sp, n, m, e, k, f):
     return out, cap, cap_s1
 
 
-def check_exact_bytes(run, dump, mp, ep, esp, topk, world=4, schedules=("s1", "s2")):
+def check_exact_bytes(run, dump, mp, ep, esp, topk, world=4, schedules=("s1", "s2"),
+                      groups=None):
     """The exact exchange's AlltoAll bytes on every rank, each direction and phase, equal the
     unique payload counted from the routing: each token once to each other EP rank holding
     one of its experts, hidden + E/EP weights wide, and one row of hidden back. The ESP
     AllGather (s1 under SP: the only allgather) sends every row the rank received, incl. its
     own, to each other ESP rank. Megatron's rank order: MP innermost for the dense layout;
     ESP, then EP, then expert-DP for the experts."""
-    mine, hidden = routing_of(dump, mp, world, topk)
+    mine, hidden = routing_of(dump, mp, world, topk, groups)
     local = next(iter(mine.values())).shape[1] // ep
     ep_of = lambda r: (r // esp) % ep  # noqa: E731
     peer = lambda r, j: r + (j - ep_of(r)) * esp  # noqa: E731  the rank of EP index j
@@ -63,26 +64,44 @@ def check_exact_bytes(run, dump, mp, ep, esp, topk, world=4, schedules=("s1", "s
                 assert sent["forward"]["allgather"][r] == 4 * held * (hidden + local) * (esp - 1)
 
 
-def routing_of(dump, mp, world, topk):
-    """rank -> the routing map (tokens, E) of the tokens it gates and sends (s1's split)."""
+def group_limited(logits, topk, groups, group_topk):
+    """DeepSeek-V3's group-limited routing map with sigmoid scores, from its definition: a
+    group's score is the sum of its best topk / group_topk expert scores; each token keeps its
+    group_topk best groups and its topk best experts among theirs."""
+    scores = torch.sigmoid(logits)
+    tokens, experts = scores.shape
+    per_group = scores.view(tokens, groups, experts // groups)
+    group_score = per_group.topk(topk // group_topk, dim=-1).values.sum(dim=-1)
+    best = group_score.topk(group_topk, dim=-1).indices
+    allowed = torch.zeros(tokens, groups, dtype=torch.bool).scatter(1, best, True)
+    allowed = allowed.repeat_interleave(experts // groups, dim=1)
+    chosen = scores.masked_fill(~allowed, float("-inf")).topk(topk, dim=-1).indices
+    return torch.zeros(tokens, experts, dtype=torch.bool).scatter(1, chosen, True)
+
+
+def routing_of(dump, mp, world, topk, groups=None):
+    """rank -> the routing map (tokens, E) of the tokens it gates and sends (s1's split);
+    groups: (num groups, group top-k) of sigmoid group-limited routing."""
     from parm_trainer.moe.reference import route
 
     gate = torch.load(dump / "weights.pt")["gate"]
     mine = {}
     for d in range(world // mp):
-        _, routing = route(torch.load(dump / f"input_dp{d}.pt") @ gate.t(), topk)
+        logits = torch.load(dump / f"input_dp{d}.pt") @ gate.t()
+        routing = (group_limited(logits, topk, *groups) if groups
+                   else route(logits, topk)[1])
         for g, block in enumerate(routing.chunk(mp)):
             mine[d * mp + g] = block
     return mine, gate.shape[1]
 
 
-def check_relay_bytes(run, dump, mp, ep, esp, topk, per_node, world=4):
+def check_relay_bytes(run, dump, mp, ep, esp, topk, per_node, world=4, groups=None):
     """The relayed exchange's bytes against the routing (R = EP ranks per node): over the link
     ("ep_link") each token once to each other node holding one of its experts, hidden + R L
     weights wide, one row of hidden back; inside the node ("ep_node") each row a relay
     received (its own tokens' and its peers' at its position on the other nodes) once to each
     other rank of its node whose experts it needs, hidden + L wide, one row back."""
-    mine, hidden = routing_of(dump, mp, world, topk)
+    mine, hidden = routing_of(dump, mp, world, topk, groups)
     experts = next(iter(mine.values())).shape[1]
     local, ranks_here = experts // ep, per_node // esp  # EP ranks of one group on a node
     ep_of = lambda r: (r // esp) % ep  # noqa: E731
@@ -95,6 +114,11 @@ def check_relay_bytes(run, dump, mp, ep, esp, topk, per_node, world=4):
     to_node = {(r, b): int(mine[r][:, b * span:(b + 1) * span].any(dim=1).sum())
                for r in range(world) for b in range(nodes)}
     assert sum(to_node.values()) < sum(to_rank.values())  # the relay saves link rows here
+    if groups and groups[0] == nodes:  # node-limited: a token's rows go to group-topk nodes
+        for r in range(world):
+            reached = torch.stack([mine[r][:, b * span:(b + 1) * span].any(dim=1)
+                                   for b in range(nodes)], dim=1).sum(dim=1)
+            assert int(reached.max()) <= groups[1], (r, reached.tolist())
     for schedule in ("s1", "s2"):
         by_group = {way: run["schedules"][schedule][key]["by_group"]
                     for way, key in (("sent", "bytes"), ("received", "bytes_received"))}

@@ -145,3 +145,54 @@ def test_the_start_up_line_says_where_routing_groups_limit_the_exchange():
     assert note(4, 2, 4, 4) == ("group-limited routing: 2 groups of 16 experts, 2 per token; a "
                                 "group on 2 EP ranks, so a token goes to at most 4 of the 4 EP "
                                 "ranks (no limit)")
+
+
+def test_routing_odds_match_megatrons_group_limited_routing():
+    """The cost model's chance that a token reaches a block of experts (an EP rank's, a
+    node's), against megatron-core's own routing of random scores."""
+    import torch
+    from megatron.core.transformer.moe.moe_utils import group_limited_topk
+
+    from parm_trainer.moe.routing_odds import hit
+
+    tokens = 20000
+    torch.manual_seed(0)
+    for experts, topk, groups, group_topk, block, start in (
+            (32, 8, 4, 2, 4, 0), (64, 8, 8, 4, 8, 8), (64, 6, 8, 3, 12, 4),
+            (256, 8, 8, 4, 32, 0), (128, 8, 16, 4, 16, 0), (64, 8, 0, 0, 8, 0)):
+        scores = torch.rand(tokens, experts)
+        if group_topk:
+            _, chosen = group_limited_topk(scores, topk, tokens, experts, groups, group_topk)
+        else:
+            chosen = scores.topk(topk, dim=1).indices
+        routed = torch.zeros(tokens, experts, dtype=torch.bool).scatter(1, chosen, True)
+        measured = routed[:, start:start + block].any(dim=1).float().mean().item()
+        assert abs(hit(experts, topk, block, start, groups, group_topk) - measured) < 0.015, \
+            (experts, topk, groups, group_topk, block, start, measured)
+
+
+def test_cost_model_prices_the_shared_expert_and_routing_groups():
+    """The shared expert before the gate adds its own forward and backward to the layer; where
+    it overlaps the exchange, its forward costs at most that, and nothing where the link's
+    first piece is longer. Group-limited routing aligned with the EP ranks: each token sends
+    to exactly group-topk of them."""
+    from dataclasses import replace
+
+    from parm_trainer.moe.auto import DEFAULT_PROFILE
+    from parm_trainer.moe.cost_model import LayerShape, plan_cost, shape_plan, shared_expert_s
+
+    shape = LayerShape(tokens=4096, hidden=1024, ffn=256, experts=64, topk=8,
+                       capacity_factor=None, ep=8, exact=True, chunks=2)
+
+    def total(**fields):
+        s = replace(shape, **fields)
+        return plan_cost(shape_plan("s1", s), s, DEFAULT_PROFILE)
+
+    plain, before = total(), total(shared_ffn=2048)
+    fwd, bwd = shared_expert_s(replace(shape, shared_ffn=2048), DEFAULT_PROFILE)
+    assert fwd > 0 and abs(before["forward_s"] - plain["forward_s"] - fwd) < 1e-12
+    assert abs(before["backward_s"] - plain["backward_s"] - bwd) < 1e-12
+    overlapped = total(shared_ffn=2048, shared_overlap=True)
+    assert plain["forward_s"] <= overlapped["forward_s"] < before["forward_s"]
+    assert replace(shape, groups=8, group_topk=2).ep_hit() == 2 / 8
+    assert replace(shape, groups=8, group_topk=2).ep_hit() < shape.ep_hit()

@@ -110,6 +110,13 @@ def should_run(schedule, mp, esp, sp):
     return True
 
 
+def groups_of(flags):
+    """(num groups, group top-k) of a config's group-limited routing, or None."""
+    if "moe-router-num-groups" not in flags:
+        return None
+    return flags["moe-router-num-groups"], flags["moe-router-group-topk"]
+
+
 def check_correct(configs, runs):
     """Every schedule that can run the layout ran and matches the reference; the others are
     skipped with a reason. Returns the list of problems (empty when all is well)."""
@@ -133,8 +140,14 @@ def check_correct(configs, runs):
             if result["status"] != "ok":
                 problems.append(f"{where}: {result}")
                 continue
-            # DeepSpeed's rows compare output and input grad (bench_moe_layer.run_peer)
-            for key in DIFF_KEYS[:2] if schedule.startswith("deepspeed") else DIFF_KEYS:
+            beyond = run["config"].get("beyond_reference")
+            if beyond and schedule.startswith("megatron"):
+                continue  # the row the others are checked against (bench/features.py)
+            if beyond and result.get("checked_against") != "megatron":
+                problems.append(f"{where}: not checked against megatron's row: {result}")
+            # DeepSpeed's rows and rows beyond the reference compare output and input grad
+            for key in (DIFF_KEYS[:2] if schedule.startswith("deepspeed") or beyond
+                        else DIFF_KEYS):
                 diff = result["max_abs_diff"][key]
                 if diff is None or not diff < TOL:
                     problems.append(f"{where}: {key} differs by {diff}")
@@ -232,15 +245,29 @@ BYTES_FLAGS = {"seq-length": 64, "micro-batch-size": 2, "hidden-size": 64,
                "moe-pad-expert-input-to-capacity": True}
 
 
+def group_flags(groups, group_topk):
+    return {"moe-router-score-function": "sigmoid", "moe-router-num-groups": groups,
+            "moe-router-group-topk": group_topk}
+
+
 EXACT_BYTES = {"exact-bytes-sp": ((2, 2, 2, True), {"moe-parm-chunks": 2}),
                "exact-bytes-ep4": ((1, 4, 1, False), {"moe-router-topk": 3, "num-experts": 8,
                                                       "moe-parm-chunks": 4}),
                # this EP rank's own rows computed apart: the same bytes on the wire
-               "exact-bytes-local": ((2, 2, 2, True), {"schedules": "s1/r2/local,s2/r1/local"})}
+               "exact-bytes-local": ((2, 2, 2, True), {"schedules": "s1/r2/local,s2/r1/local"}),
+               # group-limited routing (sigmoid scores, 4 groups, 2 per token): rows checked
+               # against megatron's layer, bytes against the routing counted in layer_bytes
+               "exact-bytes-groups": ((1, 4, 1, False), {
+                   "moe-router-topk": 4, "num-experts": 8, "moe-parm-chunks": 2,
+                   "schedules": "s1,s2,megatron", **group_flags(4, 2)})}
 
 
 RELAY_BYTES = {"relay-bytes": ((1, 4, 1, False), {"moe-router-topk": 3, "num-experts": 8,
-                                                  "moe-parm-chunks": 2, "ranks-per-node": 2})}
+                                                  "moe-parm-chunks": 2, "ranks-per-node": 2}),
+               # node-limited (a group per node, one per token): each token crosses to one
+               "relay-bytes-groups": ((1, 4, 1, False), {
+                   "moe-router-topk": 3, "num-experts": 8, "moe-parm-chunks": 2,
+                   "ranks-per-node": 2, "schedules": "s1,s2,megatron", **group_flags(2, 1)})}
 
 
 def test_four_ranks_every_layout_chunks_and_bytes(tmp_path):
@@ -346,10 +373,12 @@ def test_four_ranks_every_layout_chunks_and_bytes(tmp_path):
     for name, (layout, extra) in EXACT_BYTES.items():
         check_exact_bytes(runs[name], tmp_path / "dump" / name, *layout[:3],
                           topk=extra.get("moe-router-topk", 2),
-                          schedules=extra.get("schedules", "s1,s2").split(","))
+                          schedules=[s for s in extra.get("schedules", "s1,s2").split(",")
+                                     if s != "megatron"], groups=groups_of(extra))
     for name, (layout, extra) in RELAY_BYTES.items():
         check_relay_bytes(runs[name], tmp_path / "dump" / name, *layout[:3],
-                          topk=extra["moe-router-topk"], per_node=extra["ranks-per-node"])
+                          topk=extra["moe-router-topk"], per_node=extra["ranks-per-node"],
+                          groups=groups_of(extra))
     auto = runs["peers-auto"]["schedules"]["auto"]
     # no cost profile: measured on this layout as a training run does at start-up
     assert auto["auto_choice"].startswith("--moe-parm-schedule auto --moe-parm-chunks 0:")

@@ -30,6 +30,10 @@ def layer_shape(args, per_node=None) -> LayerShape:
         chunks=args.moe_parm_chunks,
         exact=args.moe_parm_exchange != "padded", gated=bool(getattr(args, "swiglu", False)),
         relay=relay, local_first=bool(getattr(args, "moe_parm_local_first", False)),
+        shared_ffn=getattr(args, "moe_shared_expert_intermediate_size", None) or 0,
+        shared_overlap=bool(getattr(args, "moe_shared_expert_overlap", False)),
+        groups=getattr(args, "moe_router_num_groups", None) or 0,
+        group_topk=getattr(args, "moe_router_group_topk", None) or 0,
         dp=args.world_size // (args.tensor_model_parallel_size
                                * args.pipeline_model_parallel_size))
 
@@ -117,8 +121,17 @@ def resolve_auto_schedule(args, log=print) -> None:
                       for c, t in predicted.items())
     what = " and ".join(w for w, on in (("--moe-parm-schedule auto", auto_schedule),
                                          ("--moe-parm-chunks 0", auto_chunks)) if on)
+    overlap = ""
+    if shape.shared_ffn and not shape.shared_overlap:  # the shared expert's place, priced
+        chosen = replace(shape, chunks=r, local_first=local)
+        before, overlapped = (price_schedules(replace(chosen, shared_overlap=o), profile,
+                                              [name])[name] for o in (False, True))
+        args.moe_shared_expert_overlap = overlapped < before
+        times += (f"; {label(name, r, local)} with the shared expert before the gate "
+                  f"{before * 1e3:.3f} ms, overlapped with the exchange {overlapped * 1e3:.3f} ms")
+        overlap = " --moe-shared-expert-overlap" if overlapped < before else ""
     log(f"{what}: predicted forward+backward per MoE layer {times} with {source}; using "
         f"{name}" + (f" with --moe-parm-chunks {r}" if auto_chunks else "")
-        + (" --moe-parm-local-first" if local else ""))
+        + (" --moe-parm-local-first" if local else "") + overlap)
     args.moe_parm_schedule, args.moe_parm_chunks = name, r
     args.moe_parm_local_first = local

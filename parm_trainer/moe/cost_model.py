@@ -95,6 +95,7 @@ import numpy as np
 from parm_trainer.moe.link_sharing import (concurrency_factor, link_flows, remote_share_of,
                                            sharing, tiled_groups)
 from parm_trainer.moe.plan import Plan, Step
+from parm_trainer.moe.routing_odds import hit
 from parm_trainer.moe.schedules import build_plan
 
 KINDS = ("alltoall", "allgather", "reducescatter", "allreduce")
@@ -130,6 +131,13 @@ class LayerShape:
     relay: int = 1
     # --moe-parm-local-first: the exact exchange's own-EP-rank rows in two pieces of their own
     local_first: bool = False
+    # group-limited routing (--moe-router-num-groups, --moe-router-group-topk; 0: none)
+    groups: int = 0
+    group_topk: int = 0
+    # a shared expert of this FFN width (0: none), run before the gate or, overlapped, on the
+    # main thread while the exchange's first piece travels (shared_expert.py)
+    shared_ffn: int = 0
+    shared_overlap: bool = False
 
     @property
     def matrices(self) -> int:
@@ -137,8 +145,9 @@ class LayerShape:
 
     def ep_hit(self) -> float:
         """The chance that a token's k distinct experts, drawn uniformly, include one of a
-        given EP rank's E/EP: 1 - C(E - L, k) / C(E, k). Expected rows one rank sends to
-        each EP rank in the exact exchange: tokens x ep_hit."""
+        given EP rank's E/EP: 1 - C(E - L, k) / C(E, k) (group-limited: routing_odds.py).
+        Expected rows one rank sends to each EP rank in the exact exchange: tokens x
+        ep_hit."""
         return self._hit(self.experts // self.ep)
 
     def expert_gemms(self) -> int:
@@ -151,8 +160,10 @@ class LayerShape:
         return self._hit(self.relay * (self.experts // self.ep))
 
     def _hit(self, held: int) -> float:
-        return 1.0 - math.comb(self.experts - held, self.topk) / math.comb(self.experts,
-                                                                          self.topk)
+        """routing_odds.hit of a block of `held` experts, the mean over the blocks."""
+        blocks = range(0, self.experts, held)
+        return sum(hit(self.experts, self.topk, held, start, self.groups, self.group_topk)
+                   for start in blocks) / len(blocks)
 
     def capacity(self, n: int, multiple: int = 1) -> int:
         """Slots per expert for one gate call on n tokens (rounded up to `multiple` when
@@ -655,6 +666,26 @@ def _work_s(flops: float, moved: float, profile: Profile, gemms: int = 1) -> flo
     return seconds
 
 
+def shared_expert_s(shape: LayerShape, profile: Profile) -> tuple:
+    """(forward_s, backward_s) of the shared expert: an MLP of width shape.shared_ffn over the
+    MP group's tokens, its two GEMMs split over MP, with its MP collectives (under sequence
+    parallelism an AllGather of its input and a ReduceScatter of its output, else an
+    AllReduce of the output; the backward mirrors them) and the backward's two GEMMs each."""
+    if not shape.shared_ffn:
+        return 0.0, 0.0
+    comm_factor, compute_factor, _, per_call = profile.layer
+    n, m, b = shape.tokens, shape.hidden, shape.bytes_per_element
+    flops = 2 * n * m * shape.shared_ffn * shape.matrices / shape.mp
+    work = _work_s(flops, 0.0, profile, gemms=2) * compute_factor
+    kinds = ("allgather", "reducescatter") if shape.sequence_parallel else ("allreduce",)
+    colls = tuple((kind, "mp", sent_bytes(kind, n * m * b // (shape.mp if kind == "allgather"
+                                                              else 1), shape.mp))
+                  for kind in kinds)
+    comm = (_phase_s(colls, shape, profile) * comm_factor + per_call * len(colls)
+            if shape.mp > 1 else 0.0)
+    return work + comm, 2 * work + comm
+
+
 def _pipeline_cost(load: StepLoad, shape: LayerShape, profile: Profile) -> tuple:
     """(forward_s, backward_s) of the pipeline step: pipeline_s on per-chunk prices, with the
     layer terms (collectives x comm_factor, work x compute_factor), plus host_s_per_step, and
@@ -674,6 +705,8 @@ def _pipeline_cost(load: StepLoad, shape: LayerShape, profile: Profile) -> tuple
 
     work = _work_s(load.flops / r, load.moved / r, profile, load.gemms) * compute_factor
     share = load.local_share
+    # the overlapped shared expert: the main thread's work while the first piece travels out
+    shared = shared_expert_s(shape, profile)[0] if shape.shared_overlap else 0.0
     phases = []
     for colls, weight in ((load.forward, 1), (load.backward, 2)):
         out, ag, rs, back, tail = (chunk(c) for c in colls)
@@ -683,8 +716,9 @@ def _pipeline_cost(load: StepLoad, shape: LayerShape, profile: Profile) -> tuple
         # local first: each chunk keeps the other EP ranks' share of the rows, and each half
         # of this rank's own rows pays one more gather and scatter
         half = fixed + per_call * half_calls + share * r * rows / 2 if share else 0.0
+        first = half + (shared if weight == 1 else 0.0)
         phases.append(pipeline_s(out, fixed + per_call * piece_calls + (1 - share) * rows,
-                                 back, tail, r, profile.lanes, (half, half)) + weight * host)
+                                 back, tail, r, profile.lanes, (first, half)) + weight * host)
     return tuple(phases)
 
 
@@ -738,6 +772,14 @@ def plan_cost(plan: Plan, shape: LayerShape, profile: Profile) -> dict:
     count all-reduce of gate[mp], which the model prices)."""
     steps, total_f, total_b = [], 0.0, 0.0
     sent = {"forward": {}, "backward": {}}
+    exchange = any(step.op == "pipeline" for step in plan.steps)
+    if shape.shared_ffn:  # its forward in the exchange step where overlapped there
+        fwd, bwd = shared_expert_s(shape, profile)
+        overlapped = shape.shared_overlap and exchange
+        total_f, total_b = (0.0 if overlapped else fwd), bwd
+        steps.append({"step": "shared expert" + (" (overlapped)" if overlapped else ""),
+                      "forward_s": 0.0 if overlapped else fwd, "backward_s": bwd,
+                      "flops": 0, "forward_bytes": {}, "backward_bytes": {}})
     for step, held in walk(plan, shape):
         load, _ = step_load(step, shape, held)
         fwd, bwd = step_cost(step, shape, profile, held)

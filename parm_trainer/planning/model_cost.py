@@ -130,15 +130,13 @@ class ModelCost:
         params = (M * (M + 2 * M * groups / heads) + M * M) / T + M
         return f, b, params
 
-    def mlp(self, width=None) -> tuple:
-        """(forward, backward, params) of a dense MLP of `width` (--ffn-hidden-size)."""
+    def mlp(self) -> tuple:
         a, n, M = self.args, self.n, self.args.hidden_size
-        width = width or a.ffn_hidden_size
         mats = 3 if getattr(a, "swiglu", False) else 2
-        flops = 2 * n * M * width * mats / self.tp
+        flops = 2 * n * M * a.ffn_hidden_size * mats / self.tp
         norm = 2 * n * M * self.e / (self.tp if self.sp else 1)
         f, b = self._mp_block(self.gemm(flops, calls=2), self.traffic(norm))  # fc1, fc2
-        return f, b, M * width * mats / self.tp + M
+        return f, b, M * a.ffn_hidden_size * mats / self.tp + M
 
     def moe_mlp(self) -> tuple:
         """(forward, backward, expert params, router params) of the MoE MLP: the plan cost of
@@ -168,10 +166,8 @@ class ModelCost:
         forward, backward = best["forward_s"], best["backward_s"]
         dense = a.hidden_size * a.num_experts  # the router
         shared = getattr(a, "moe_shared_expert_intermediate_size", None)
-        if shared:  # a dense MLP of its width beside the exchange, priced as not overlapped
-            sf, sb, params = self.mlp(shared)
-            forward, backward = forward + sf, backward + sb
-            dense += params - a.hidden_size + (a.hidden_size if a.moe_shared_expert_gate else 0)
+        if shared:  # its weights (its time is in the plan's cost: shared_expert_s)
+            dense += a.hidden_size * (shared * mats / self.tp + bool(a.moe_shared_expert_gate))
         return forward, backward, experts, dense
 
     def activations(self, kind: str) -> float:

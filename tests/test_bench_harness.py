@@ -158,3 +158,10 @@ def test_long_files_say_why():
         if len(text.splitlines()) > 500:
             opening = ast.get_docstring(ast.parse(text)) or ""
             assert "Over 500 lines on purpose" in opening, f"{path}: over 500 lines, no reason"
+
+
+def test_shared_expert_rows():
+    assert flags.shared_row("s1/r2/shared-overlap") == ("s1/r2", True)
+    assert flags.shared_row("s2/shared-before") == ("s2", False)
+    assert flags.shared_row("megatron/shared-overlap") == ("megatron/shared-overlap", None)
+    assert flags.shared_row("s1/r2/local") == ("s1/r2/local", None)

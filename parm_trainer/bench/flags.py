@@ -4,7 +4,9 @@ for the command line and for every entry of --configs alike.
 Rows: --schedules (Parm's baseline, s1, s2, auto, and any peer) and then --peers (megatron-core's
 dispatchers, "deepspeed" for DeepSpeed's three modes; peers/__init__.py). A row s1/rN or s2/rN
 is that schedule at pipeline depth N whatever --moe-parm-chunks says, so one launch can time
-every depth with auto and the peers, their iterations interleaved.
+every depth with auto and the peers, their iterations interleaved; a Parm row ending in
+/shared-overlap (or /shared-before) runs the shared expert overlapped with the exchange (or
+before the gate): s1/r2/shared-overlap.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ PARM = ("baseline", "s1", "s2", "auto")
 SCHEDULE_NAMES = (*PARM, *peers.NAMES)
 DEFAULT_ROWS = "baseline,s1,s2,megatron"
 DEPTH_ROW = re.compile(r"^(s1|s2)/r([1-9][0-9]*)(/local)?$")
+# a Parm row with its shared expert before the gate or overlapped with the exchange
+SHARED_ROW = re.compile(r"^(.+)/shared-(before|overlap)$")
 TOOL_HELP = f"""\
 bench_moe_layer: one MoE layer, forward and backward, under several schedules, each checked
 against parm_trainer/moe/reference.py, timed, and its collectives' bytes counted.
@@ -89,8 +93,7 @@ def rows(args) -> list:
     """The rows to run, in order: --schedules', then --peers' (groups expanded, each once)."""
     schedules = _names(args.schedules if args.schedules is not None else
                        ",".join(PARM[:3]) if args.peers else DEFAULT_ROWS)
-    unknown = [s for s in schedules
-               if s not in SCHEDULE_NAMES and s not in peers.GROUPS and not DEPTH_ROW.match(s)]
+    unknown = [s for s in schedules if not _known(shared_row(s)[0])]
     if unknown or not schedules and not args.peers:
         raise ToolError(f"--schedules: unknown {unknown}; choose from {','.join(SCHEDULE_NAMES)} "
                         "or s1/rN, s2/rN (s1/rN/local, s2/rN/local)")
@@ -100,6 +103,20 @@ def rows(args) -> list:
         raise ToolError(f"--peers: unknown {unknown}; choose from "
                         f"{','.join((*peers.NAMES, *peers.GROUPS))}")
     return peers.expand(schedules + extra)
+
+
+def _known(name: str) -> bool:
+    return name in SCHEDULE_NAMES or name in peers.GROUPS or bool(DEPTH_ROW.match(name))
+
+
+def shared_row(name: str):
+    """(the row's name without a /shared-before or /shared-overlap suffix, whether that says
+    overlapped; None without one): s1/r2/shared-overlap is s1 at depth 2 with the shared
+    expert overlapped with the exchange."""
+    match = SHARED_ROW.match(name)
+    if match and (match.group(1) in PARM or DEPTH_ROW.match(match.group(1))):
+        return match.group(1), match.group(2) == "overlap"
+    return name, None
 
 
 def depth_row(name: str):

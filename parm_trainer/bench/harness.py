@@ -32,13 +32,16 @@ def _trial(args, name):
     with that token dispatcher; s1/r2 is s1 at depth 2; auto is the schedule (and, with
     --moe-parm-chunks 0, the pipeline depth) the cost model picks for this layer, from
     --moe-parm-cost-profile or the built-in profile."""
-    from parm_trainer.bench.flags import depth_row
+    from parm_trainer.bench.flags import depth_row, shared_row
     from parm_trainer.moe.auto import resolve_auto_schedule
 
     trial = copy.copy(args)
     trial.peer = peers.deepspeed_mode(name)
     if trial.peer:
         return trial
+    name, overlap = shared_row(name)
+    if overlap is not None:
+        trial.moe_shared_expert_overlap = overlap
     if name in peers.MEGATRON:
         megatron.configure(trial, name)
     elif depth := depth_row(name):

@@ -1,6 +1,6 @@
 """Today's MoE blocks through Parm's layer, against megatron-core's own MoELayer.
 
-A launch of 4 gloo ranks (and one of 8) runs tests/worker_moe_features.py: for every layout of its list
+A launch of 4 gloo ranks (and of 1, 2 and 8) runs tests/worker_moe_features.py: for every layout of its list
 (MP 1 x EP 1 with four replicas, MP 1 x EP 4, MP 2 x EP 2 x ESP 2 with sequence parallelism,
 MP 2 x EP 2 x ESP 1 and MP 2 x ESP 2 without it) and every feature set (sigmoid scores, the
 expert bias, group-limited top-k, the top-k scaling factor, an fp64 router with z-loss, a
@@ -15,6 +15,8 @@ shared expert overlapped and not, must give megatron's output, gradients and rou
 
 import re
 from pathlib import Path
+
+import pytest
 
 from conftest import RANK_MAIN, launch, max_relative, run_rank_workers, tiny_gpt_args
 
@@ -33,20 +35,23 @@ def test_features_equal_megatrons_layer_on_four_ranks(tmp_path):
     assert len({r["checks"] for r in reports}) == 1
 
 
-def test_the_combination_equals_megatrons_layer_on_eight_ranks(tmp_path):
-    """MP 2 x EP 2 x ESP 2 with SP and MP 1 x EP 8: the DeepSeek-V3-like set, dropless and with
-    a capacity factor."""
+@pytest.mark.parametrize("world,least,example", [
+    (1, 80, "MP1 EP1 ESP1 global_aux_loss s2/r4/padded"),
+    (2, 70, "MP2 EP1 ESP2 SP deepseek s1/r2/exact/overlap"),
+    (8, 30, "MP1 EP8 ESP1 deepseek_capacity s2/r4/padded")])
+def test_the_blocks_equal_megatrons_layer_on_1_2_and_8_ranks(tmp_path, world, least, example):
+    """One rank (every feature), and on 2 ranks (MP 1 x EP 2, MP 2 x ESP 2 with SP, MP 2 x EP
+    2) and 8 (MP 2 x EP 2 x ESP 2 with SP, MP 1 x EP 8) the DeepSeek-V3-like set, dropless and
+    with a capacity factor, and the gated shared expert."""
     source = f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n" + WORKER
-    reports = run_rank_workers(tmp_path, source + RANK_MAIN, 8, timeout=900)
+    reports = run_rank_workers(tmp_path, source + RANK_MAIN, world, timeout=900)
     cases = reports[0]["cases"]
-    assert len(reports) == 8 and len(set(cases)) == len(cases) >= 30, len(cases)
-    assert any("MP1 EP8 ESP1 deepseek_capacity s2/r4/padded" in case for case in cases)
+    assert len(reports) == world and len(set(cases)) == len(cases) >= least, len(cases)
+    assert any(example in case for case in cases), example
 
 
 def test_a_shared_expert_with_biases_is_refused():
     """megatron-core's SharedExpertMLP asserts add_bias_linear False; here one line first."""
-    import pytest
-
     from parm_trainer.arguments import ArgumentsError, parse_args
 
     with pytest.raises(ArgumentsError, match="shared expert has no biases; add "

@@ -54,9 +54,14 @@ FEATURES = {
     "deepseek_capacity": [*DEEPSEEK, "--moe-expert-capacity-factor", "1.0"],
 }
 # (MP, EP, ESP, SP for Parm's rows): megatron's layer always runs with SP where MP > 1
-LAYOUTS = {4: [(1, 1, 1, False), (1, 4, 1, False), (2, 2, 2, True), (2, 2, 1, False),
+LAYOUTS = {1: [(1, 1, 1, False)],
+           2: [(1, 2, 1, False), (2, 1, 2, True), (2, 2, 1, False)],
+           4: [(1, 1, 1, False), (1, 4, 1, False), (2, 2, 2, True), (2, 2, 1, False),
                (2, 1, 2, False)],
            8: [(2, 2, 2, True), (1, 8, 1, False)]}
+# beyond 4 ranks, and on 2: the combination, dropless and with a capacity factor, and the
+# shared expert with its gate
+FEW = ("deepseek", "deepseek_capacity", "shared_gate")
 # Parm's rows: (schedule, depth, exchange, shared expert overlapped)
 ROWS = [("s1", 1, "exact", False), ("s1", 2, "exact", True), ("s1", 4, "exact", False),
         ("s1", 2, "padded", True), ("s1", 2, "direct", False), ("s2", 1, "exact", True),
@@ -134,9 +139,7 @@ def rows_for(mp, extra):
 
 
 def check_features(report, world):
-    # 8 ranks: the combination, dropless and with a capacity factor
-    features = FEATURES if world < 8 else {name: FEATURES[name] for name in (
-        "deepseek", "deepseek_capacity")}
+    features = FEATURES if world in (1, 4) else {name: FEATURES[name] for name in FEW}
     for mp, ep, esp, sp in LAYOUTS[world]:
         for feature, extra in features.items():
             megatron_args = layout_args(mp, ep, esp, mp > 1, extra, world)
@@ -169,11 +172,12 @@ def check_features(report, world):
 def check_expert_bias(report, world):
     """5 rounds of forward, backward and megatron's bias update on megatron's layer and on
     Parm's default schedules: the same bias, which moved."""
-    mp, ep, esp, _ = next(layout for layout in LAYOUTS[world] if layout[0] > 1)
+    mp, ep, esp, _ = next((layout for layout in LAYOUTS[world] if layout[0] > 1),
+                          LAYOUTS[world][0])
     for schedule in ("s1", "s2"):
         layers = {}
         for name in ("megatron", schedule):
-            args = layout_args(mp, ep, esp, True, DEEPSEEK, world)
+            args = layout_args(mp, ep, esp, mp > 1, DEEPSEEK, world)
             args.moe_parm_schedule, args.moe_parm_chunks = name, 2
             set_layout(args)
             layers[name] = build_layer(name, transformer_config(args), args)
@@ -182,7 +186,7 @@ def check_expert_bias(report, world):
         config = layers["megatron"].config
         for round_ in range(5):
             for layer in layers.values():
-                run(layer, True, round_)
+                run(layer, mp > 1, round_)
                 _update_router_expert_bias([layer], config)
                 reset_model_temporary_tensors(config, [layer])
         want = layers["megatron"].router.expert_bias
@@ -190,6 +194,29 @@ def check_expert_bias(report, world):
         assert want.abs().max().item() > 0, "the bias never moved"
         assert torch.equal(got, want), (schedule, got, want)
         report["checks"] += 1
+
+
+def check_forced_balancing(report, world):
+    """--moe-router-force-load-balancing: the MP ranks that gate the same tokens (s2, the
+    baseline) route on the same random logits, so their outputs agree; s1 runs; the router's
+    weight still gets its gradient (straight through)."""
+    mp, ep, esp, sp = LAYOUTS[world][2] if world == 4 else LAYOUTS[world][0]
+    outs = {}
+    for schedule in ("s2", "baseline", "s1"):
+        if schedule == "baseline" and esp != mp:
+            continue
+        args = layout_args(mp, ep, esp, sp, ["--moe-router-force-load-balancing"], world)
+        args.moe_parm_schedule, args.moe_parm_chunks = schedule, 2
+        args.moe_parm_exchange = "padded" if schedule == "baseline" else "exact"
+        set_layout(args)
+        layer = build_layer(schedule, transformer_config(args), args)
+        layer.train()
+        outs[schedule] = run(layer, sp)
+        assert outs[schedule]["router.weight"].abs().max().item() > 0, schedule
+        report["checks"] += 1
+    if "baseline" in outs:
+        compare({"output": outs["s2"]["output"]}, {"output": outs["baseline"]["output"]},
+                f"forced balancing MP{mp} s2 vs baseline", report)
 
 
 def main(report):
@@ -200,3 +227,5 @@ def main(report):
     report["cases"] = []
     check_features(report, world)
     check_expert_bias(report, world)
+    if world in (1, 4):
+        check_forced_balancing(report, world)

@@ -127,33 +127,3 @@ def _groups_problem(groups, group_topk, experts, topk) -> Optional[str]:
                 f"{experts // groups}")
     return None
 
-
-def group_limit_note(args, per_node: int) -> Optional[str]:
-    """The start-up line on group-limited routing: whether the routing groups lie within one EP
-    rank or one node, which bounds how many of them (and so how many links) a token reaches;
-    None without it. per_node: ranks per node."""
-    groups, chosen = args.moe_router_num_groups, args.moe_router_group_topk
-    if not args.num_experts or not chosen:
-        return None
-    from parm_trainer.moe.node_relay import ep_groups
-
-    experts, ep = args.num_experts, args.expert_model_parallel_size
-    group, local = experts // groups, experts // ep
-    ranks = ep_groups(args.world_size, args.expert_tensor_parallel_size, ep)[0]
-    nodes = len({rank // per_node for rank in ranks})
-    on_node = local * (ep // nodes)  # experts on each node of the EP group (contiguous)
-    words = [f"group-limited routing: {groups} groups of {group} experts, {chosen} per token"]
-    span = -(-group // local)  # EP ranks a group's experts lie on
-    if ep > 1:
-        reach = min(ep, chosen * span)
-        words.append(f"{'each group on one EP rank' if span == 1 else f'a group on {span} EP ranks'}"
-                     f", so a token goes to at most {reach} of the {ep} EP ranks"
-                     + ("" if reach < ep else " (no limit)"))
-    if nodes > 1 and on_node % group == 0:
-        reach = min(chosen, nodes)
-        words.append(f"each group on one node, so a token's rows go to at most {reach} of the "
-                     f"{nodes} nodes of its EP group" + ("" if reach < nodes else " (no limit)"))
-    elif nodes > 1:
-        words.append(f"the groups do not line up with the {nodes} nodes of the EP group "
-                     f"(--moe-router-num-groups {nodes} or a multiple would)")
-    return "; ".join(words)

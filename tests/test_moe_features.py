@@ -131,7 +131,7 @@ def test_moe_bert_with_the_features_trains_as_megatrons_layer(bert_data, tmp_pat
 
 def test_the_start_up_line_says_where_routing_groups_limit_the_exchange():
     from parm_trainer.arguments import parse_args
-    from parm_trainer.moe_flags import group_limit_note
+    from parm_trainer.moe.node_relay import group_limit_note
 
     def note(ep, groups, world, per_node):
         args = parse_args(["--num-experts", "32", "--moe-router-topk", "8",

@@ -106,9 +106,8 @@ def _report_relay() -> None:
 
 def _report_groups(args) -> None:
     from parm_trainer.moe import node_relay
-    from parm_trainer.moe_flags import group_limit_note
 
-    note = group_limit_note(args, node_relay.ranks_per_node())
+    note = node_relay.group_limit_note(args, node_relay.ranks_per_node())
     if note is not None:
         _print_rank_0(note)
 

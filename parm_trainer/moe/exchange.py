@@ -253,6 +253,7 @@ def _only_here(layer, tokens, masks: _Masks, p: _Piece):
     if sum(p.send) == p.size:  # every token kept (dropless): the piece as it is
         return _experts_on_rows(layer, tokens.narrow(0, p.offset, p.size),
                                 masks.hop.narrow(0, p.offset, p.size)[:, 0], p.experts)
+    _rows(p, masks, 0)  # the tokens kept (some dropped by the capacity)
     out = _experts_on_rows(layer, _at(tokens, p.token), p.weights, p.experts)
     return _add_at(out.new_zeros(p.size, out.shape[1]), p.token - p.offset, out)
 
@@ -287,8 +288,6 @@ def exchange(layer, routed: Routed, gather_mp: bool, on_wire=None):
     masks = _masks(routed, ep, relay)
     extras = _agree_counts(pieces, masks, ep, esp, me_ep, me_esp, relay,
                            None if aux is None else aux.counts())
-    for p in pieces:
-        _rows(p, masks, me_ep)
     if ep == 1 and esp == 1 and relay is None and not gather_mp:  # nothing to exchange
         if on_wire is not None:
             on_wire()
@@ -296,6 +295,8 @@ def exchange(layer, routed: Routed, gather_mp: bool, on_wire=None):
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         return out if aux is None else layer.router.attach(aux, extras[layer.aux_rows].sum(0),
                                                            out)
+    for p in pieces:
+        _rows(p, masks, me_ep)
     link, me_link, name = ((ep_group, me_ep, "ep") if relay is None
                            else (relay.inter, relay.node, "ep_link"))
     payload = lambda p: torch.cat([_at(tokens, p.token),  # noqa: E731

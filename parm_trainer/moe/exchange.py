@@ -176,11 +176,6 @@ def _at(x, first, second=None):
     return x.reshape(-1, *x.shape[2:]).index_select(0, first * x.shape[1] + second)
 
 
-def _add_at(base, index, rows):
-    """base with each of rows added at its index's row (out of place)."""
-    return base.index_add(0, index, rows)
-
-
 def _nonzero(mask, count: int):
     """The (row, column) indices of mask's True entries in row-major order, whose number
     (`count`) the host already knows: no read-back to the host (torch.nonzero waits for one).
@@ -220,7 +215,7 @@ def _back_in_node(out, row, received: int, piece, relay):
     """The in-node hop back: each forwarded row's output to the relay, summed per link row."""
     back = cu.run(out, cu.counts_of("alltoall", relay.position, send=piece.fwd_recv,
                                     recv=piece.fwd_send), relay.intra, "ep_node")
-    return _add_at(back.new_zeros(received, back.shape[1]), row, back)
+    return back.new_zeros(received, back.shape[1]).index_add(0, row, back)
 
 
 def _experts_on_rows(layer, x, w, counts: list):
@@ -233,7 +228,7 @@ def _experts_on_rows(layer, x, w, counts: list):
     expert, row = _nonzero((w >= 0).t(), sum(counts))  # grouped by expert
     out, _ = layer.experts(_at(x, row), torch.tensor(counts, dtype=torch.int64),
                            _at(w, row, expert))
-    return _add_at(x.new_zeros(x.shape[0], hidden), row, out)
+    return x.new_zeros(x.shape[0], hidden).index_add(0, row, out)
 
 
 def _esp_experts(layer, rows, p: _Piece, hidden, esp_group, me_esp):
@@ -255,7 +250,7 @@ def _only_here(layer, tokens, masks: _Masks, p: _Piece):
                                 masks.hop.narrow(0, p.offset, p.size)[:, 0], p.experts)
     _rows(p, masks, 0)  # the tokens kept (some dropped by the capacity)
     out = _experts_on_rows(layer, _at(tokens, p.token), p.weights, p.experts)
-    return _add_at(out.new_zeros(p.size, out.shape[1]), p.token - p.offset, out)
+    return out.new_zeros(p.size, out.shape[1]).index_add(0, p.token - p.offset, out)
 
 
 def _pieces(n: int, chunks: int, local_first: bool) -> list:
@@ -327,13 +322,13 @@ def exchange(layer, routed: Routed, gather_mp: bool, on_wire=None):
         computed.append((p, _esp_experts(layer, payload(p), p, hidden, esp_group, me_esp)))
     base = tokens.new_zeros(tokens.shape[0], hidden) if computed else None  # the local rows
     for p, out in computed:
-        base = _add_at(base, p.token, out)
+        base = base.index_add(0, p.token, out)
     combined = []
     for p, started in zip(sent, inbound):
         rows = comm.finish(started)
         into = (rows.new_zeros(p.size, hidden) if base is None
                 else base.narrow(0, p.offset, p.size))
-        out = _add_at(into, p.token - p.offset, rows)
+        out = into.index_add(0, p.token - p.offset, rows)
         combined.append(comm.start("gather", out, mp_group, "mp") if gather_mp else out)
     if gather_mp:
         gathered = [comm.finish(started) for started in combined]  # each (G size, M), rank order

@@ -208,7 +208,8 @@ def _measure(args, candidates) -> tuple:
         name, chunks, local, *overlap = candidate  # (..., shared expert overlapped)
         layer = layers[name]
         layer.chunks, layer.local_first = chunks, local
-        layer.shared_overlap = bool(overlap and overlap[0])
+        layer.shared_overlap = bool(overlap[0] if overlap else  # as forced, if it is
+                                    getattr(args, "moe_shared_expert_overlap", False))
         x_i = x.detach().requires_grad_()
         torch.distributed.barrier()
         start = time.perf_counter()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
 
@@ -59,22 +61,19 @@ def add_flags(g) -> None:
                         "wandb) beside their mean over layers.")
 
 
+# the flags' TransformerConfig fields, each of the flag's own name
+CONFIG_FIELDS = ("moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+                 "moe_shared_expert_overlap", "moe_router_score_function",
+                 "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
+                 "moe_router_num_groups", "moe_router_group_topk",
+                 "moe_router_topk_scaling_factor", "moe_router_dtype",
+                 "moe_router_force_load_balancing", "moe_per_layer_logging")
+ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}  # --moe-router-dtype
+
+
 def config_fields(args) -> dict:
     """The TransformerConfig fields of these flags."""
-    return dict(
-        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-        moe_shared_expert_gate=args.moe_shared_expert_gate,
-        moe_shared_expert_overlap=args.moe_shared_expert_overlap,
-        moe_router_score_function=args.moe_router_score_function,
-        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
-        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
-        moe_router_num_groups=args.moe_router_num_groups,
-        moe_router_group_topk=args.moe_router_group_topk,
-        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
-        moe_router_dtype=args.moe_router_dtype,
-        moe_router_force_load_balancing=args.moe_router_force_load_balancing,
-        moe_per_layer_logging=args.moe_per_layer_logging,
-    )
+    return {name: getattr(args, name) for name in CONFIG_FIELDS}
 
 
 def problem(args) -> Optional[str]:

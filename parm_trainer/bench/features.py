@@ -17,6 +17,7 @@ import torch
 
 from parm_trainer.bench.layout import max_over_ranks
 from parm_trainer.bench.peers import MEGATRON
+from parm_trainer.moe_flags import ROUTER_DTYPES
 
 
 def beyond_reference(args) -> list:
@@ -44,8 +45,7 @@ def routing_map(args, tokens, gate, gate_calls: int):
 
     if args.moe_router_force_load_balancing:
         return None
-    dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(args.moe_router_dtype,
-                                                               tokens.dtype)
+    dtype = ROUTER_DTYPES.get(args.moe_router_dtype, tokens.dtype)
     maps = []
     for call in tokens.chunk(gate_calls):
         probs, chosen = topk_routing_with_score_function(

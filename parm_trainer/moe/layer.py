@@ -30,10 +30,11 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import build_module
 
 from parm_trainer.moe import comm, node_relay, shared_expert, step_timing
-from parm_trainer.moe.forced_routing import ForcedLogits
 from parm_trainer.moe.aux_loss import DeferringRouter
 from parm_trainer.moe.exchange import Routed, exchange, route
+from parm_trainer.moe.forced_routing import ForcedLogits
 from parm_trainer.moe.schedules import build_plan
+from parm_trainer.moe_flags import ROUTER_DTYPES
 from parm_trainer.parallel import consecutive_subgroup
 
 EXCHANGES = ("exact", "direct", "padded")
@@ -148,8 +149,7 @@ class ParmMoELayer(MegatronModule):
         weight = router.weight
         if split and not weight.sequence_parallel:  # else finalize_model_grads sums it
             weight = comm.copy_to(weight, self.groups["mp"], "mp")
-        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype,
-                                                                    tokens.dtype)
+        dtype = ROUTER_DTYPES.get(self.config.moe_router_dtype, tokens.dtype)
         logits = router_gating_linear(tokens, weight, router.bias, dtype)
         if self.force_balance is not None:  # --moe-router-force-load-balancing
             logits = self.force_balance(logits)

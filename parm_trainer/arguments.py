@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from parm_trainer import moe_flags
+from parm_trainer import error_line, moe_flags
 
 
 def _model_group(parser):
@@ -464,8 +464,16 @@ def _split_is_valid(split: str) -> bool:
     return 1 <= len(values) <= 3 and all(0 <= v < math.inf for v in values) and sum(values) > 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser; its error line (after the usage) also kept for the launcher."""
+
+    def error(self, message):
+        error_line.keep(f"{self.prog}: error: {message}")
+        super().error(message)
+
+
 def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         description="parm_trainer: MoE pretraining on megatron-core with Parm's schedules.",
         allow_abbrev=False)
     for add in (_model_group, _moe_group, _parallel_group, _training_group, _data_group,

@@ -10,7 +10,9 @@
 # restarted job resumes from the latest checkpoint.
 # torchrun numbers the ranks node by node (node r holds ranks r*NPROC_PER_NODE ...), which is
 # what Megatron's group order expects: MP groups inside a node, EP and DP across nodes.
-# scripts/train_gpt_moe.sh and the slurm script call this; tools/emulated_cluster.py runs it in
+# torchrun runs through parm_trainer/cluster/torchrun_job.py: its own report of a failed job
+# goes to a log file (PARM_LAUNCH_LOG, or one in $TMPDIR it names) and the job's error line
+# comes last. scripts/train_gpt_moe.sh and the slurm script call this; tools/emulated_cluster.py runs it in
 # every emulated node. Set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to pick the network.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,7 +48,7 @@ if [ "${NNODES:-1}" != 1 ] && [ -z "${GLOO_SOCKET_IFNAME:-}" ] && command -v ip 
     if [ -n "$dev" ]; then export GLOO_SOCKET_IFNAME=$dev; fi
 fi
 
-exec "$PYTHON" -m torch.distributed.run \
+exec "$PYTHON" -m parm_trainer.cluster.torchrun_job \
     --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \
     --nproc-per-node "${NPROC_PER_NODE:-4}" --max-restarts "${MAX_RESTARTS:-0}" \
     --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}" \

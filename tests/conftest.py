@@ -213,6 +213,23 @@ def launch(nproc: int, args: list, tmp_path: Path, timeout: float = 300,
     return Run(status, output, seconds, losses)
 
 
+def launch_sh(nproc: int, args: list, env: dict = None, timeout: float = 120,
+              script: str = "pretrain_gpt_moe.py") -> Run:
+    """`bash scripts/launch.sh SCRIPT ARGS` on nproc local ranks, as a user runs a job: its
+    output as a terminal shows it (stdout and stderr in one stream)."""
+    env = {**os.environ, **LAUNCH_ENV, "NPROC_PER_NODE": str(nproc),
+           "MASTER_PORT": str(free_port()), **(env or {})}
+    start = time.monotonic()
+    result = subprocess.run(["bash", "scripts/launch.sh", script, *map(str, args)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=timeout, env=env)
+    return Run(result.returncode, result.stdout, time.monotonic() - start, [])
+
+
+def last_line(output: str) -> str:
+    return next(line for line in reversed(output.splitlines()) if line.strip())
+
+
 # The end of a run_rank_workers script that defines main(report) and HANG_S: main runs under a
 # hang watch (after HANG_S seconds every thread's stack goes to stacks<R>.txt and the rank
 # exits), and its report goes to rank<R>.json, with the traceback of what it raised.

@@ -4,11 +4,14 @@ Each case is a real torchrun launch: on 4 ranks where the layout itself is the b
 where the check is the same whatever the layout (data, profile: 2 ranks show every rank ending
 as well as 4, at half the start-up), on 1 where the case needs no parallelism."""
 
+import re
 import shutil
+import socket
 
 import pytest
 
-from conftest import assert_clean_failure, error_lines, launch, tiny_gpt_args
+from conftest import (assert_clean_failure, error_lines, last_line, launch, launch_sh,
+                      tiny_gpt_args)
 
 
 @pytest.mark.parametrize("case,world,flags,needles", [
@@ -17,9 +20,12 @@ from conftest import assert_clean_failure, error_lines, launch, tiny_gpt_args
     ("5_experts_ep2", 2, {"num-experts": 5, "expert-model-parallel-size": 2},
      ["--num-experts 5", "--expert-model-parallel-size 2"]),
 ])
-def test_impossible_layout(case, world, flags, needles, gpt_data, tmp_path):
-    run = launch(world, tiny_gpt_args(gpt_data, **flags), tmp_path, timeout=120)
+def test_impossible_layout(case, world, flags, needles, gpt_data):
+    """Through scripts/launch.sh, as a user runs a job: the error line is the output's last."""
+    run = launch_sh(world, tiny_gpt_args(gpt_data, **flags))
     assert_clean_failure(run, *needles)
+    assert last_line(run.output) == error_lines(run.output)[0], run.output[-3000:]
+    assert "Traceback" not in run.output, run.output[-3000:]  # torchrun's report in its log
 
 
 def test_malformed_cost_profile(gpt_data, tmp_path):
@@ -32,9 +38,27 @@ def test_malformed_cost_profile(gpt_data, tmp_path):
 
 
 def test_missing_data_path(gpt_data, tmp_path):
-    run = launch(2, tiny_gpt_args(gpt_data, **{"data-path": tmp_path / "nowhere"}), tmp_path,
-                 timeout=120)
+    run = launch_sh(2, tiny_gpt_args(gpt_data, **{"data-path": tmp_path / "nowhere"}))
     assert_clean_failure(run, "--data-path", "nowhere")
+    assert last_line(run.output) == error_lines(run.output)[0], run.output[-3000:]
+
+
+def test_launch_sh_ends_with_the_error_line(gpt_data):
+    """argparse's line (after its usage) and a busy MASTER_PORT, through scripts/launch.sh:
+    the job's last line names the cause; torchrun's report only in its log file."""
+    run = launch_sh(1, tiny_gpt_args(gpt_data, **{"num-experts": "four"}))
+    assert run.returncode != 0
+    assert last_line(run.output) == ("pretrain_gpt_moe.py: error: argument --num-experts: "
+                                     "invalid int value: 'four'"), run.output[-3000:]
+    report = re.search(r"^\(torchrun's report: (\S+)\)$", run.output, re.M)
+    assert report and "pretrain_gpt_moe.py FAILED" in open(report.group(1)).read(), run.output
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        run = launch_sh(1, tiny_gpt_args(gpt_data), env={"MASTER_PORT": str(port)})
+    assert run.returncode != 0 and "Traceback" not in run.output, run.output[-3000:]
+    assert last_line(run.output).startswith(f"error: MASTER_PORT {port} is in use"), run.output
 
 
 def test_no_data_path_flag(gpt_data, tmp_path):

@@ -77,15 +77,21 @@ def test_first_five_losses_match_single_rank(layout, reference, gpt_data, tmp_pa
         check_plots(tmp_path, run)
 
 
-def test_expert_biases_train_alike_on_one_rank_and_ep2(gpt_data, tmp_path):
-    """With biases, EP = ESP = 1 once failed in megatron's expert MLP (an in-place bias add
-    on the output of a one-rank reduce: setup.expert_comm_explicit); it trains, and as EP2."""
-    flags = {"bias-linear": True, "moe-parm-schedule": "s1", "moe-parm-chunks": 1,
-             "moe-layer-freq": 2}  # a dense MLP (with its biases) in layer 2
-    one = launch(1, tiny_gpt_args(gpt_data, **flags), tmp_path)
-    two = launch(2, tiny_gpt_args(gpt_data, **flags, **{"expert-model-parallel-size": 2}),
+def test_default_flags_train_alike_on_1_2_and_4_ranks(gpt_data, tmp_path):
+    """No flag but the model's size and data (biases on, auto's schedule and depth measured at
+    start-up): one rank once failed in the start-up measurement (megatron's expert MLP adds its
+    bias in place to the output of a one-rank reduce; layer.expert_comm_explicit). It trains on
+    1, 2 and 4 ranks (data-parallel) with the same losses, and with EP2 and a dense MLP."""
+    fresh = {"PARM_TRAINER_CACHE_DIR": str(tmp_path / "cache")}  # measured here, not cached
+    one = launch(1, tiny_gpt_args(gpt_data, **{"bias-linear": True}), tmp_path, env=fresh)
+    assert "measured at start-up" in one.output, one.output[-3000:]
+    for world in (2, 4):
+        assert_trains_like(launch(world, tiny_gpt_args(gpt_data, **{"bias-linear": True}),
+                                  tmp_path, env=fresh), one)
+    flags = {"bias-linear": True, "moe-layer-freq": 2}  # a dense MLP (with its biases)
+    ep2 = launch(2, tiny_gpt_args(gpt_data, **flags, **{"expert-model-parallel-size": 2}),
                  tmp_path)
-    assert_trains_like(two, one)
+    assert_trains_like(ep2, launch(1, tiny_gpt_args(gpt_data, **flags), tmp_path))
 
 
 @pytest.fixture(scope="module")

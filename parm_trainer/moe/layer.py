@@ -46,6 +46,26 @@ def _stage_group():
     return consecutive_subgroup(torch.distributed.get_world_size() // stages)
 
 
+def expert_comm_explicit(module: torch.nn.Module) -> int:
+    """Give every expert linear whose tensor-parallel group is one rank explicit_expert_comm.
+
+    megatron-core sets it on expert linears only where ESP > 1 or EP > 1. Otherwise the
+    row-parallel fc2 "reduces" over its one-rank group, which returns its input through a
+    custom autograd Function (a view to autograd), and the expert MLP then adds its bias to it
+    in place (mlp.py, `output += output_bias ...`): "RuntimeError: Output 0 of
+    _ReduceFromModelParallelRegion is a view and is being modified inplace" on any run with
+    expert biases and EP = ESP = 1. On a one-rank group the collectives it skips are
+    identities, so the flag changes nothing else. Returns the number of linears changed."""
+    changed = 0
+    for sub in module.modules():
+        group = getattr(sub, "tp_group", None)
+        if getattr(sub, "is_expert", False) and getattr(sub, "explicit_expert_comm", True) is \
+                False and group is not None and group.size() == 1:
+            sub.explicit_expert_comm = True
+            changed += 1
+    return changed
+
+
 @dataclass
 class _Routing:
     """What the dispatch step leaves for the combine step."""
@@ -113,6 +133,7 @@ class ParmMoELayer(MegatronModule):
                 with_context_parallel=True)
         self.experts = build_module(submodules.experts, self.num_local_experts, config,
                                     pg_collection=pg_collection)
+        expert_comm_explicit(self.experts)  # wherever the layer is built (tune.py's too)
         # megatron's SharedExpertMLP, built with its own TP collectives (never the split API
         # megatron's dispatcher drives): Parm places the whole call, before the plan or, with
         # shared_overlap, while the exchange's first pieces are on the wire (shared_expert.py)

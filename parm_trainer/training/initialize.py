@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from parm_trainer import pipeline_layout
+from parm_trainer import error_line, pipeline_layout
 from parm_trainer.arguments import ArgumentsError, parse_args
 from parm_trainer.compat import cpu
 from parm_trainer.data.tokenizer import TokenizerError, build_tokenizer
@@ -173,7 +173,7 @@ def user_errors(*extra_types):
         if rank != 0:
             time.sleep(3.0)
         prefix = "error" if rank == 0 else f"error (rank {rank})"
-        print(f"{prefix}: {error}", file=sys.stderr, flush=True)
+        error_line.say(f"{prefix}: {error}")
         sys.stdout.flush()
         _stop_child_processes()
         os._exit(1)  # no teardown: other ranks may already be gone

@@ -13,6 +13,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from parm_trainer.models.init import init_weights_layout_free
+from parm_trainer.moe.layer import expert_comm_explicit
 from parm_trainer.training.paced_reduction import PacedBucket
 from parm_trainer.training.tied_embedding import (
     TiedEmbeddingGrad, bucket_size_isolating, tied_word_embedding)
@@ -39,26 +40,6 @@ def mark_expert_params(module: torch.nn.Module) -> int:
                 param.allreduce = False
                 flagged += 1
     return flagged
-
-
-def expert_comm_explicit(module: torch.nn.Module) -> int:
-    """Give every expert linear whose tensor-parallel group is one rank explicit_expert_comm.
-
-    megatron-core sets it on expert linears only where ESP > 1 or EP > 1. Otherwise the
-    row-parallel fc2 "reduces" over its one-rank group, which returns its input through a
-    custom autograd Function (a view to autograd), and the expert MLP then adds its bias to it
-    in place (mlp.py, `output += output_bias ...`): "RuntimeError: Output 0 of
-    _ReduceFromModelParallelRegion is a view and is being modified inplace" on any run with
-    expert biases and EP = ESP = 1. On a one-rank group the collectives it skips are
-    identities, so the flag changes nothing else. Returns the number of linears changed."""
-    changed = 0
-    for sub in module.modules():
-        group = getattr(sub, "tp_group", None)
-        if getattr(sub, "is_expert", False) and getattr(sub, "explicit_expert_comm", True) is \
-                False and group is not None and group.size() == 1:
-            sub.explicit_expert_comm = True
-            changed += 1
-    return changed
 
 
 class DDP(DistributedDataParallel):

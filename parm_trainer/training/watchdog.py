@@ -28,6 +28,8 @@ import sys
 import threading
 import time
 
+from parm_trainer import error_line
+
 PERIOD_S = 1.0
 ALIVE_S = 5.0  # a rank whose thread has not published for this long is not running
 
@@ -115,7 +117,7 @@ class Watchdog:
                 except OSError:
                     pass
         if line:
-            print(f"error: {line}", file=sys.stderr, flush=True)
+            error_line.say(f"error: {line}")
         sys.stdout.flush()
         os._exit(1)
 

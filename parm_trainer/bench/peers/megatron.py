@@ -19,7 +19,11 @@ def configure(trial, name: str) -> None:
 def build(config, submodules):
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    return MoELayer(config, submodules, layer_number=1)
+    from parm_trainer.moe.layer import expert_comm_explicit
+
+    layer = MoELayer(config, submodules, layer_number=1)
+    expert_comm_explicit(layer.experts)  # as the training entries build it (biases, one rank)
+    return layer
 
 
 def describe(args) -> str:

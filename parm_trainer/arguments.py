@@ -14,11 +14,12 @@ import argparse
 import math
 import os
 import re
+import sys
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from parm_trainer import error_line, moe_flags
+from parm_trainer import error_line, flag_ranges, moe_flags
 
 
 def _model_group(parser):
@@ -236,6 +237,15 @@ def _training_group(parser):
     g.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPU).")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="Stop (after saving) once the iteration is a multiple of this.")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="Save and stop at the first iteration boundary after this many minutes "
+                        "since the process started (any rank's clock; as Megatron-LM's, which "
+                        "takes whole minutes).")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="On --exit-signal, finish the iteration, save a checkpoint and exit 0 "
+                        "(every rank agrees at the iteration boundary).")
+    g.add_argument("--exit-signal", default="SIGTERM", choices=EXIT_SIGNALS,
+                   help="The signal --exit-signal-handler waits for (slurm's --signal).")
 
 
 def _data_group(parser):
@@ -350,6 +360,8 @@ def moe_layer_pattern(freq, num_layers: int) -> list:
     return [int(bool(v)) for v in freq]
 
 
+# signals --exit-signal-handler can catch (Megatron-LM takes any name of signal.Signals)
+EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
 _PATTERN_LIMIT = 1_000_000  # entries a --moe-layer-freq expression may build
 
 
@@ -400,26 +412,13 @@ def moe_layer_freq(text) -> "int | list":
 
 
 def _check(args) -> None:
+    if (out_of_range := flag_ranges.problem(args)) is not None:  # every numeric flag's range
+        raise ArgumentsError(out_of_range)
     if args.lr_warmup_iters and args.lr_warmup_iters >= args.lr_decay_iters:
         raise ArgumentsError(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than "
                              f"--lr-decay-iters {args.lr_decay_iters} (default --train-iters)")
     if args.use_distributed_optimizer and args.optimizer != "adam":
         raise ArgumentsError("--use-distributed-optimizer supports --optimizer adam only")
-    if args.train_iters < 1:
-        raise ArgumentsError("--train-iters must be at least 1")
-    for flag in ("log_interval", "eval_interval"):
-        if getattr(args, flag) < 1:
-            raise ArgumentsError(f"--{flag.replace('_', '-')} must be at least 1")
-    if not args.distributed_timeout_minutes > 0:
-        raise ArgumentsError(f"--distributed-timeout-minutes must be positive, got "
-                             f"{args.distributed_timeout_minutes}")
-    if args.watchdog_timeout_minutes < 0:
-        raise ArgumentsError(f"--watchdog-timeout-minutes must be 0 (off) or positive, got "
-                             f"{args.watchdog_timeout_minutes}")
-    for flag in ("lr", "weight_decay", "eval_iters", "num_workers"):
-        if getattr(args, flag) < 0:
-            raise ArgumentsError(f"--{flag.replace('_', '-')} must not be negative, got "
-                                 f"{getattr(args, flag)}")
     if not 0 <= args.min_lr <= args.lr:
         raise ArgumentsError(f"--min-lr {args.min_lr} must be between 0 and --lr {args.lr}")
     _check_backend(args)
@@ -465,10 +464,13 @@ def _split_is_valid(split: str) -> bool:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse's parser; its error line (after the usage) also kept for the launcher."""
+    """argparse's parser; under the project's launcher its error line goes to the launcher,
+    which prints it last (error_line.py), after the usage."""
 
     def error(self, message):
-        error_line.keep(f"{self.prog}: error: {message}")
+        if error_line.keep(f"{self.prog}: error: {message}"):
+            self.print_usage(sys.stderr)
+            self.exit(2)
         super().error(message)
 
 
@@ -489,12 +491,16 @@ def parse_args(argv: Optional[Sequence[str]] = None, extra_args_provider=None,
     """Parse flags and fill in defaults that depend on other flags and the world size."""
     args = build_parser(extra_args_provider).parse_args(argv)
     args.world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
-    args.moe_ffn_hidden_size = args.moe_ffn_hidden_size or args.ffn_hidden_size
-    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    if args.ffn_hidden_size is None:  # `is None`: a 0 given is refused, not replaced
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = args.tensor_model_parallel_size
-    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
     if args.watchdog_timeout_minutes is None:
         args.watchdog_timeout_minutes = args.distributed_timeout_minutes
     if args.distributed_backend is None:

@@ -1,9 +1,10 @@
-"""The one `error` line a rank prints for a fault the user can fix, also kept for the launcher.
+"""The one `error` line a rank prints for a fault the user can fix.
 
-Every rank that stops on such a fault prints one line starting with `error`. Under the
-project's launcher (scripts/launch.sh -> cluster/torchrun_job.py) the line is also appended to
-the file named by PARM_ERROR_FILE, so that the launcher can repeat it as the job's last line,
-below torchrun's own report of the failed ranks."""
+Every rank that stops on such a fault says one line starting with `error`. Under the project's
+launcher (scripts/launch.sh -> cluster/torchrun_job.py, which sets PARM_ERROR_FILE) the line is
+written to that file instead of the terminal, and the launcher prints the first one once, as
+the job's last line, after every rank has ended; elsewhere (plain torchrun, one process) the
+rank prints it."""
 
 from __future__ import annotations
 
@@ -14,17 +15,19 @@ ERROR_FILE_ENV = "PARM_ERROR_FILE"
 
 
 def say(line: str) -> None:
-    """Print `line` (it starts with "error") to stderr and keep it for the launcher."""
-    print(line, file=sys.stderr, flush=True)
-    keep(line)
+    """Say `line` (it starts with "error"): to the launcher, or to stderr."""
+    if not keep(line):
+        print(line, file=sys.stderr, flush=True)
 
 
-def keep(line: str) -> None:
-    """Append `line` to PARM_ERROR_FILE, where the launcher set one (never fails)."""
+def keep(line: str) -> bool:
+    """Append `line` to PARM_ERROR_FILE; False where there is none or it cannot be written."""
     path = os.environ.get(ERROR_FILE_ENV)
-    if path:
-        try:
-            with open(path, "a") as out:
-                out.write(line.replace("\n", " ") + "\n")
-        except OSError:
-            pass
+    if not path:
+        return False
+    try:
+        with open(path, "a") as out:
+            out.write(line.replace("\n", " ") + "\n")
+        return True
+    except OSError:
+        return False

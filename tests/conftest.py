@@ -11,10 +11,12 @@ import signal
 import socket
 import subprocess
 import sys
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 from torchrun_server import RENDEZVOUS_HUNG
 
@@ -224,6 +226,29 @@ def launch_sh(nproc: int, args: list, env: dict = None, timeout: float = 120,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             timeout=timeout, env=env)
     return Run(result.returncode, result.stdout, time.monotonic() - start, [])
+
+
+def launch_sh_until(nproc: int, args: list, pattern: str = None, then=None,
+                    timeout: float = 300):
+    """scripts/launch.sh on nproc ranks, its output read as it comes: at the first line matching
+    `pattern`, then(match, the torchrun process, its ranks); (exit status, the whole output)."""
+    env = {**os.environ, "NPROC_PER_NODE": str(nproc), "MASTER_PORT": str(free_port()),
+           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
+    job = subprocess.Popen(["bash", "scripts/launch.sh", "pretrain_gpt_moe.py", *map(str, args)],
+                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, env=env)
+    lines, matched = [], None
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            if pattern and matched is None and (matched := re.search(pattern, line)):
+                launcher = psutil.Process(job.pid)  # launch.sh execs the torchrun wrapper
+                then(matched, launcher, [rank for rank in launcher.children()
+                                         if "pretrain_gpt_moe.py" in " ".join(rank.cmdline())])
+        job.wait(timeout=timeout)
+    finally:
+        job.kill()
+    return job.returncode, "".join(lines)
 
 
 def last_line(output: str) -> str:

@@ -200,7 +200,7 @@ PRETRAIN_CASES = [
     ("expert_bias_with_softmax", 1, ["--moe-router-enable-expert-bias"], 1,
      ["--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"]),
     ("bias_update_rate_negative", 1, ["--moe-router-bias-update-rate", "-0.1"], 1,
-     ["--moe-router-bias-update-rate must be a non-negative number, got -0.1"]),
+     ["--moe-router-bias-update-rate must not be negative, got -0.1"]),
     ("scaling_factor_zero", 1, ["--moe-router-topk-scaling-factor", "0"], 1,
      ["--moe-router-topk-scaling-factor must be positive, got 0.0"]),
     ("group_topk_without_groups", 1, ["--moe-router-group-topk", "1"], 1,
@@ -231,6 +231,59 @@ def test_pretrain_gpt_refuses(world, flags, status, needles, entry, gpt_data, ju
     assert_refused(main, argv, capsys, status, *(n.format(junk=junk) for n in needles))
 
 
+def _numeric_flags(script: str):
+    """(flag, dest, type) of every int or float flag of an entry point's parser."""
+    from parm_trainer.arguments import add_bert_args, build_parser
+
+    extra = add_bert_args if script == "pretrain_bert_moe.py" else None
+    return [(action.option_strings[0], action.dest, action.type)
+            for action in build_parser(extra)._actions
+            if action.type in (int, float) and not action.choices]
+
+
+def _outside(bounds, kind):
+    """Values outside the range, as a user could type them (NaN and infinity for floats)."""
+    low, high, low_in, high_in = bounds
+    values = [low - 1 if low_in else low]
+    if high is not None:
+        values.append(high + 1 if high_in else high)
+    if kind is float:
+        values += [float("nan"), float("inf")]
+    return values
+
+
+@pytest.mark.parametrize("script", ["pretrain_gpt_moe.py", "pretrain_bert_moe.py"])
+def test_every_numeric_flag_has_its_range(script, entry, gpt_data, capsys):
+    """Every int and float flag of the entry point has a row in flag_ranges.RANGES (a new flag
+    without one fails here), and each value outside it (below, above, NaN, infinite) is
+    refused with one line naming the flag, before the process groups."""
+    from parm_trainer import flag_ranges
+
+    main = entry(script)
+    flags = _numeric_flags(script)
+    assert len(flags) > 40 if script == "pretrain_gpt_moe.py" else flags
+    missing = [flag for flag, dest, _ in flags if dest not in flag_ranges.RANGES]
+    assert not missing, f"no range in parm_trainer/flag_ranges.py for {missing}"
+    for flag, dest, kind in flags:
+        for value in _outside(flag_ranges.RANGES[dest], kind):
+            argv = pretrain_argv(gpt_data, flag, kind(value))
+            assert_refused(main, argv, capsys, 1, f"{flag} must ")
+
+
+@pytest.mark.parametrize("blend,needle", [
+    (["-0.5", "{p}", "1", "{p}"], "each blend weight must be a finite number >= 0 and their sum "
+                                  "positive, got -0.5"),
+    (["0", "{p}", "0", "{p}"], "their sum positive"),
+    (["nan", "{p}"], "got nan"),
+    (["0.3", "{p}", "0.7"], "expected 'weight prefix' pairs, got 3 words"),
+])
+def test_pretrain_gpt_refuses_a_bad_blend(blend, needle, entry, gpt_data, capsys):
+    main = entry("pretrain_gpt_moe.py")
+    words = [word.format(p=gpt_data["prefix"]) for word in blend]
+    assert_refused(main, pretrain_argv(gpt_data, "--data-path", *words), capsys, 1,
+                   "--data-path", needle)
+
+
 def test_pretrain_gpt_refuses_auto_stages_without_the_stage_builder(entry, gpt_data, capsys,
                                                                    monkeypatch):
     monkeypatch.setitem(sys.modules, "parm_trainer.planning.stages", None)  # import fails
@@ -243,7 +296,7 @@ def test_pretrain_gpt_refuses_auto_stages_without_the_stage_builder(entry, gpt_d
 def test_pretrain_bert_refuses_a_mask_probability_over_one(entry, gpt_data, capsys):
     main = entry("pretrain_bert_moe.py")
     assert_refused(main, pretrain_argv(gpt_data, "--mask-prob", "1.5"), capsys, 1,
-                   "--mask-prob 1.5 must be between 0 and 1")
+                   "--mask-prob must be in (0, 1), got 1.5")
 
 
 @pytest.mark.parametrize("case", ["missing_dir", "bert_checkpoint", "no_tokenizer", "no_prompt",

@@ -10,18 +10,38 @@ and one of another model is refused naming the tensor.
 
 import json
 import os
+import random
 import re
+import signal
 import subprocess
 
 import pytest
 
 import parm_trainer
-from conftest import ROOT, assert_clean_failure, free_port, launch, max_relative, tiny_gpt_args
+from conftest import (ROOT, assert_clean_failure, free_port, launch, launch_sh_until, max_relative,
+                      tiny_gpt_args)
 from parm_trainer.training.checkpoint_files import TRACKER
 from parm_trainer.training.checkpointing import read_description
 
 
-def test_resume_is_exact_after_a_killed_rank(gpt_data, tmp_path):
+LAYOUT = {"tensor-model-parallel-size": 2, "expert-model-parallel-size": 2,
+          "expert-tensor-parallel-size": 2, "sequence-parallel": True,
+          "use-distributed-optimizer": True, "hidden-dropout": 0.1,
+          "attention-dropout": 0.1, "lr-warmup-iters": 3, "lr-decay-iters": 20,
+          "train-iters": 20}
+
+
+@pytest.fixture(scope="module")
+def straight(gpt_data, tmp_path_factory):
+    """20 iterations on 4 ranks with dropout, uninterrupted, saving every 5: (run, its saves)."""
+    root = tmp_path_factory.mktemp("straight")
+    ckpt = root / "ckpt"
+    run = launch(4, tiny_gpt_args(gpt_data, **LAYOUT, save=ckpt, **{"save-interval": 5}), root)
+    assert run.returncode == 0, run.output[-4000:]
+    return run, ckpt
+
+
+def test_resume_is_exact_after_a_killed_rank(gpt_data, tmp_path, straight):
     """Rank 2 is killed (PARM_FAULT) at iteration 11 of a 20-iteration run that saves every 5
     with --async-save: the save of 10 is still out (a save is finalised at the earliest after
     the next iteration), so the latest checkpoint is 5, itself written in the background. Under
@@ -29,14 +49,9 @@ def test_resume_is_exact_after_a_killed_rank(gpt_data, tmp_path):
     iter_0000010.tmp, resumes from iteration 5 (RNG streams included: dropout is on) and
     iterations 1-20 give the uninterrupted, synchronously saving run's losses; the saves the
     restarted job makes are finalised after later iterations, the last one at the end."""
-    layout = {"tensor-model-parallel-size": 2, "expert-model-parallel-size": 2,
-              "expert-tensor-parallel-size": 2, "sequence-parallel": True,
-              "use-distributed-optimizer": True, "hidden-dropout": 0.1,
-              "attention-dropout": 0.1, "lr-warmup-iters": 3, "lr-decay-iters": 20,
-              "train-iters": 20, "save-interval": 5}
-    straight_ckpt, ckpt, losses = tmp_path / "straight", tmp_path / "ckpt", tmp_path / "l.json"
-    straight = launch(4, tiny_gpt_args(gpt_data, **layout, save=straight_ckpt), tmp_path)
-    assert straight.returncode == 0, straight.output[-4000:]
+    layout = {**LAYOUT, "save-interval": 5}
+    straight, straight_ckpt = straight
+    ckpt, losses = tmp_path / "ckpt", tmp_path / "l.json"
     assert (straight_ckpt / "latest_checkpointed_iteration.txt").read_text() == "20"
     assert sorted(os.listdir(straight_ckpt)) == [f"iter_{i:07d}" for i in (5, 10, 15, 20)] + [
         "latest_checkpointed_iteration.txt"]  # no .tmp left
@@ -66,6 +81,52 @@ def test_resume_is_exact_after_a_killed_rank(gpt_data, tmp_path):
     assert [r["iteration"] for r in rows] == list(range(1, 21))
     for step, (a, b) in enumerate(zip(straight.loss(), [r["lm loss"] for r in rows]), start=1):
         assert abs(a - b) <= 1e-6 * abs(a), f"iteration {step}: straight {a} vs restarted {b}"
+
+
+def test_exit_signal_and_duration_save_and_resume_exactly(gpt_data, tmp_path, straight):
+    """--exit-signal-handler: SIGTERM from outside to every rank and to torchrun at a random
+    iteration (sent twice: the second lands in the save), as slurm signals a job step. Every
+    rank stops at the same iteration boundary, a whole checkpoint is saved there, the job exits
+    0. Resumed with --exit-duration-in-mins so short that it stops after its first iteration,
+    saved again, exit 0; resumed to the end, iterations 1-20 give the uninterrupted run's
+    losses (dropout on)."""
+    straight, _ = straight
+    ckpt, losses = tmp_path / "ckpt", [tmp_path / f"l{i}.json" for i in range(3)]
+    common = {**LAYOUT, "save": ckpt, "load": ckpt}
+    at = random.Random().randint(3, 10)
+
+    def terminate(_, launcher, ranks):
+        assert len(ranks) == 4, ranks
+        for process in (launcher, *ranks, *ranks):  # the second time to the ranks: in the save
+            process.send_signal(signal.SIGTERM)
+
+    status, output = launch_sh_until(4, 
+        tiny_gpt_args(gpt_data, **common, **{"exit-signal-handler": True,
+                                             "log-losses-json": losses[0]}),
+        rf"^ *iteration +{at}/20 ", terminate)
+    assert status == 0, output[-4000:]
+    stopped = int(re.search(r"exiting after iteration (\d+): SIGTERM received "
+                            r"\(--exit-signal-handler\), saving a checkpoint here", output)[1])
+    assert at <= stopped < 20, (at, stopped)
+    assert (ckpt / TRACKER).read_text() == str(stopped)
+    assert sorted(os.listdir(ckpt)) == [f"iter_{stopped:07d}", TRACKER], "no .tmp left"
+
+    status, output = launch_sh_until(4, 
+        tiny_gpt_args(gpt_data, **common, **{"exit-duration-in-mins": 1e-4,
+                                             "log-losses-json": losses[1]}))
+    assert status == 0, output[-4000:]
+    assert f"resumed from {ckpt} at iteration {stopped}" in output
+    assert (f"exiting after iteration {stopped + 1}: past --exit-duration-in-mins 0.0001"
+            in output), output[-3000:]
+    assert (ckpt / TRACKER).read_text() == str(stopped + 1)
+
+    status, output = launch_sh_until(4, 
+        tiny_gpt_args(gpt_data, **common, **{"log-losses-json": losses[2]}))
+    assert status == 0, output[-4000:]
+    rows = [row for path in losses for row in json.loads(path.read_text())]
+    assert [r["iteration"] for r in rows] == list(range(1, 21))
+    for step, (a, b) in enumerate(zip(straight.loss(), [r["lm loss"] for r in rows]), start=1):
+        assert abs(a - b) <= 1e-6 * abs(a), f"iteration {step}: straight {a} vs stopped {b}"
 
 
 # --- resume under another layout -----------------------------------------------------------

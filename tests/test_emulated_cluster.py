@@ -5,6 +5,7 @@ creates outlives it, also when the command fails. Needs root and `ip netns`; ski
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -89,6 +90,34 @@ def test_two_nodes_train_like_one_and_survive_a_failed_link(gpt_data, tmp_path):
     assert [row["iteration"] for row in rows] == list(range(1, 9))
     got, want = [row["lm loss"] for row in rows], single.loss()
     assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < 1e-5, (got, want)
+
+
+@pytest.mark.parametrize("repeat", range(int(os.environ.get("PARM_STOP_REPEATS", "1"))))
+def test_a_node_stopped_from_outside_ends_the_job_with_one_line(gpt_data, tmp_path, repeat):
+    """Node 1's ranks (2 and 3) stopped with SIGSTOP from outside after a random iteration
+    (TP2 x EP2 x ESP2 + SP, saving every 4, --distributed-timeout-minutes 0.5): node 0's
+    watchdog names them at 24 s, node 1's launcher ends them (SIGKILL) when they have been
+    stopped for longer than the watchdog's limit; every rank ends within 40 s, one error line
+    in the whole job, no traceback."""
+    after = random.Random().randint(2, 9)
+    flags = {"tensor-model-parallel-size": 2, "expert-model-parallel-size": 2,
+             "expert-tensor-parallel-size": 2, "sequence-parallel": True, "train-iters": 60,
+             "save-interval": 4, "distributed-timeout-minutes": 0.5, "log-interval": 1}
+    command = ["pretrain_gpt_moe.py", *tiny_gpt_args(gpt_data, **flags, save=tmp_path / "c")]
+    start = time.monotonic()
+    run, left = emulated(command, tmp_path, "--inter-node-bandwidth", "200mbit",
+                         "--stop-node-at", f"iteration {after:6d}/")
+    took = time.monotonic() - start
+    output = run.stdout + run.stderr
+    stop = re.search(r"stopped node 1's ranks \[2, 3\] \(SIGSTOP\) ([0-9.]+) s after", output)
+    assert stop and run.returncode != 0 and left == [], output[-3000:]
+    assert took - float(stop[1]) <= 40, (took, stop[1], output[-3000:])
+    logs = "".join((tmp_path / f"logs/node{i}.log").read_text() for i in (0, 1))
+    errors = [line for line in logs.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and re.search(r"rank [23] \(and rank [23]\) stopped responding",
+                                          errors[0]), logs[-3000:]
+    assert "Traceback" not in logs, logs[-3000:]
+    assert "were ended with SIGKILL" in (tmp_path / "logs/node1.log").read_text()
 
 
 def test_failing_command_leaves_nothing_behind(tmp_path):

@@ -21,7 +21,8 @@ multi-node launcher (scripts/launch.sh, torchrun), exactly as on a real cluster:
 To test what a job does when a node's link fails mid-run, --fail-link-after S (seconds after
 the launch) or --fail-link-at TEXT (when a node's output first shows TEXT, for example
 "iteration      4/") takes the last node's link down (--fail-node picks another); the link
-stays down until the cluster is removed.
+stays down until the cluster is removed. --stop-node-after and --stop-node-at stop that node's
+ranks instead (SIGSTOP, as a hung host or a debugger would).
 
 Node 0's output (ranks 0 .. P-1) streams to this terminal; every node's output is kept in
 --log-dir/node<i>.log. The exit status is the first failing node's (0 when all succeed); when a
@@ -81,21 +82,38 @@ def _pump(stream, log, echo, link_fault=None) -> None:
 
 
 class LinkFault:
-    """Takes a node's link down once: after seconds, or when a node's output shows text."""
+    """Takes a node's link down once (or, stop=True, stops its ranks with SIGSTOP): after
+    seconds, or when a node's output shows text."""
 
     def __init__(self, cluster: "Cluster", node: int, after_s: float | None = None,
-                 text: str | None = None):
+                 text: str | None = None, stop: bool = False):
         self.cluster, self.node, self.after_s, self.text = cluster, node, after_s, text
+        self.stop, self.launchers = stop, []  # run_on_cluster's per-node processes
         self.lock, self.done, self.started = threading.Lock(), False, time.monotonic()
 
     def cut(self) -> None:
         with self.lock:
             if self.done:
                 return
-            self.cluster.cut_link(self.node)
+            what = self._stop_ranks() if self.stop else self.cluster.cut_link(self.node)
             self.done = True
-        print(f"emulated_cluster: took node {self.node}'s link down "
-              f"{time.monotonic() - self.started:.1f} s after the launch", flush=True)
+        what = what if self.stop else f"took node {self.node}'s link down"
+        print(f"emulated_cluster: {what} {time.monotonic() - self.started:.1f} s after the "
+              f"launch", flush=True)
+
+    def _stop_ranks(self) -> str:
+        """SIGSTOP every rank of the node and what it started (LOCAL_RANK set), as a hung host."""
+        import psutil
+
+        ranks = []
+        for process in psutil.Process(self.launchers[self.node].pid).children(recursive=True):
+            try:
+                if "LOCAL_RANK" in process.environ():
+                    process.suspend()
+                    ranks.append(int(process.environ()["RANK"]))
+            except psutil.Error:
+                pass
+        return f"stopped node {self.node}'s ranks {sorted(set(ranks))} (SIGSTOP)"
 
     def poll(self) -> None:
         if self.after_s is not None and time.monotonic() - self.started >= self.after_s:
@@ -114,6 +132,8 @@ def run_on_cluster(cluster: Cluster, procs: int, command: list, log_dir: str, po
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  start_new_session=True)
         children.append(child)
+        if link_fault:
+            link_fault.launchers = children
         pump = threading.Thread(target=_pump, args=(child.stdout, logs[-1], node == 0,
                                                     link_fault), daemon=True)
         pump.start()
@@ -181,8 +201,12 @@ def parse(argv):
                    help="take a node's link down S seconds after the launch")
     p.add_argument("--fail-link-at", default=None, metavar="TEXT",
                    help="take a node's link down when a node's output first shows TEXT")
+    p.add_argument("--stop-node-after", type=float, default=None, metavar="S",
+                   help="stop a node's ranks (SIGSTOP) S seconds after the launch")
+    p.add_argument("--stop-node-at", default=None, metavar="TEXT",
+                   help="stop a node's ranks (SIGSTOP) when a node's output first shows TEXT")
     p.add_argument("--fail-node", type=int, default=None,
-                   help="the node whose link fails (default: the last)")
+                   help="the node whose link fails or whose ranks stop (default: the last)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...] after --")
     args = parse_with_command(p, argv, "pretrain_gpt_moe.py --tensor-model-parallel-size 2 ...")
     if args.nodes < 1 or args.procs_per_node < 1:
@@ -194,6 +218,9 @@ def parse(argv):
                 "200mbit or 1gbit")
     if args.inter_node_latency and not DELAY.match(args.inter_node_latency):
         p.error(f"--inter-node-latency {args.inter_node_latency!r}: a delay such as 1ms")
+    if (args.fail_link_after is not None or args.fail_link_at) and (
+            args.stop_node_after is not None or args.stop_node_at):
+        p.error("--fail-link-* and --stop-node-*: one fault at a time")
     if args.fail_node is not None and not 0 <= args.fail_node < args.nodes:
         p.error(f"--fail-node {args.fail_node}: a node from 0 to {args.nodes - 1}")
     return args
@@ -211,9 +238,12 @@ def main(argv=None) -> int:
                   + f", master {cluster.address(0)}:{args.master_port}; logs in {args.log_dir}",
                   flush=True)
             fault = None
+            node = args.nodes - 1 if args.fail_node is None else args.fail_node
             if args.fail_link_after is not None or args.fail_link_at:
-                node = args.nodes - 1 if args.fail_node is None else args.fail_node
                 fault = LinkFault(cluster, node, args.fail_link_after, args.fail_link_at)
+            elif args.stop_node_after is not None or args.stop_node_at:
+                fault = LinkFault(cluster, node, args.stop_node_after, args.stop_node_at,
+                                  stop=True)
             return run_on_cluster(cluster, args.procs_per_node, args.command, args.log_dir,
                                   args.master_port, args.grace, fault)
 

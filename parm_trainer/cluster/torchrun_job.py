@@ -3,11 +3,21 @@
 torchrun ends a failed job with its own report, a traceback of its agent and a block per failed
 rank (about 60 lines), below the ranks' output, so the line that says what went wrong is buried
 above it. Here torchrun runs in this process with its agent's log and that report written to a
-log file; the ranks print as they always do, and a failed job ends with its error line: the
-first `error` line one of this node's ranks printed (error_line.py keeps them in
-PARM_ERROR_FILE, set here), or, where none did, a line naming the rank that failed first and
-how. A master port already in use is one line naming MASTER_PORT. A restart (MAX_RESTARTS)
+log file; the ranks print as they always do but for their `error` lines, which error_line.py
+writes to PARM_ERROR_FILE (set here), and a failed job ends with its error line, printed once
+after every rank has ended: the first one of this node's ranks wrote or, where none did, a
+line naming the rank that failed first and how. A master port already in use is one line naming MASTER_PORT. A restart (MAX_RESTARTS)
 is still said on the terminal.
+
+A rank stopped from outside (SIGSTOP, a debugger) answers no signal but SIGKILL, and torchrun
+would wait for it forever where the ranks that noticed (their watchdog names it) are on
+another node: a rank of this node stopped for longer than the watchdog's limit plus
+REAP_MARGIN_S is ended with SIGKILL here, and the job ends on every node.
+
+Where the training script is given --exit-signal-handler, its --exit-signal reaching this
+process (slurm signals every process of a job step) is passed on to the ranks and nothing
+else: torchrun would instead stop them and give them 30 s before SIGKILL, and the job would
+exit non-zero; here the ranks save at the iteration boundary and the job exits 0.
 
     python -m parm_trainer.cluster.torchrun_job TORCHRUN_ARGS...   (what launch.sh runs)
 """
@@ -16,9 +26,12 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 import tempfile
+import threading
+import time
 
 from parm_trainer.error_line import ERROR_FILE_ENV
 
@@ -26,6 +39,7 @@ from parm_trainer.error_line import ERROR_FILE_ENV
 AGENT_LOGGERS = ("torch.distributed.run", "torch.distributed.elastic",
                  "torch.distributed.launcher")
 SAID_ON_THE_TERMINAL = ("will restart worker group",)
+REAP_MARGIN_S = 5.0
 
 
 def _log_path() -> str:
@@ -33,16 +47,31 @@ def _log_path() -> str:
         tempfile.gettempdir(), f"parm_trainer_torchrun_{socket.gethostname()}_{os.getpid()}.log")
 
 
-def _route_agent_log(path: str) -> logging.Handler:
+class _Restarts(logging.Handler):
+    """torchrun restarting the ranks (MAX_RESTARTS): the error line that ended the attempt,
+    then torchrun's own line, on the terminal."""
+
+    def __init__(self, errors_path: str):
+        super().__init__()
+        self.errors_path = errors_path
+
+    def emit(self, record) -> None:
+        if not any(words in record.getMessage() for words in SAID_ON_THE_TERMINAL):
+            return
+        line = _kept_line(self.errors_path)
+        if line is not None:
+            print(line, file=sys.stderr)
+            open(self.errors_path, "w").close()
+        print(f"torchrun: {record.getMessage()}", file=sys.stderr, flush=True)
+
+
+def _route_agent_log(path: str, errors_path: str) -> logging.Handler:
     """The agent's log to `path`; of it, restarts also to stderr."""
     to_file = logging.FileHandler(path)
     to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    to_terminal = logging.StreamHandler(sys.stderr)
-    to_terminal.addFilter(lambda record: any(words in record.getMessage()
-                                             for words in SAID_ON_THE_TERMINAL))
     for name in AGENT_LOGGERS:
         logger = logging.getLogger(name)
-        logger.handlers[:] = [to_file, to_terminal]
+        logger.handlers[:] = [to_file, _Restarts(errors_path)]
         logger.propagate = False
     return to_file
 
@@ -64,6 +93,74 @@ def _failure_line(failure) -> str:
             " (its output above)")
 
 
+def _exit_signal(script_args: list):
+    """The signal the ranks save and exit on (--exit-signal-handler), or None."""
+    if "--exit-signal-handler" not in script_args:
+        return None
+    name = "SIGTERM"
+    for at, item in enumerate(script_args):
+        if item == "--exit-signal" and at + 1 < len(script_args):
+            name = script_args[at + 1]
+        elif item.startswith("--exit-signal="):
+            name = item.split("=", 1)[1]
+    return getattr(signal.Signals, name, None)
+
+
+def _pass_on(signum, frame) -> None:
+    import psutil
+
+    for child in psutil.Process().children():
+        try:
+            child.send_signal(signum)
+        except psutil.Error:
+            pass
+
+
+def _stopped_rank_limit_s(script_args: list) -> float:
+    """How long a rank may stay stopped: the watchdog's limit (watchdog.limit_s; the
+    collectives' timeout where the watchdog is off), plus REAP_MARGIN_S."""
+    import argparse
+
+    from parm_trainer.training.watchdog import BEFORE_TIMEOUT
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    parser.add_argument("--watchdog-timeout-minutes", type=float, default=None)
+    try:
+        known, _ = parser.parse_known_args(script_args)
+    except SystemExit:  # a bad value: the ranks refuse it themselves
+        known = parser.parse_args([])
+    timeout = known.distributed_timeout_minutes
+    watchdog = timeout if known.watchdog_timeout_minutes is None \
+        else known.watchdog_timeout_minutes
+    minutes = min(watchdog, BEFORE_TIMEOUT * timeout) if watchdog else timeout
+    return minutes * 60.0 + REAP_MARGIN_S
+
+
+class _StoppedRanks(threading.Thread):
+    """SIGKILL for a child of this process stopped for longer than limit_s."""
+
+    def __init__(self, limit_s: float):
+        super().__init__(name="parm-stopped-ranks", daemon=True)
+        self.limit_s, self.ended, self.done = limit_s, [], threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        me, since = psutil.Process(), {}
+        while not self.done.wait(1.0):
+            now = time.monotonic()
+            for child in me.children():
+                try:
+                    if child.status() != psutil.STATUS_STOPPED:
+                        since.pop(child.pid, None)
+                    elif now - since.setdefault(child.pid, now) > self.limit_s:
+                        child.kill()
+                        self.ended.append(child.pid)
+                except psutil.Error:
+                    pass
+
+
 def _remove(*paths) -> None:
     for path in paths:
         if path != os.environ.get("PARM_LAUNCH_LOG") and os.path.exists(path):
@@ -77,29 +174,43 @@ def main(argv=None) -> int:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    exit_signal = _exit_signal(args.training_script_args)
+    if exit_signal is not None:  # the ranks', not torchrun's
+        args.signals_to_handle = ",".join(
+            name for name in args.signals_to_handle.split(",") if name != exit_signal.name)
+        signal.signal(exit_signal, _pass_on)
     log_path = _log_path()
     errors_path = log_path + ".errors"
     if os.path.exists(errors_path):
         os.remove(errors_path)
     os.environ[ERROR_FILE_ENV] = errors_path  # the ranks inherit it
-    handler = _route_agent_log(log_path)
+    handler = _route_agent_log(log_path, errors_path)
+    stopped = _StoppedRanks(_stopped_rank_limit_s(args.training_script_args))
+    stopped.start()
     try:
         run(args)
         _remove(errors_path, log_path)
         return 0
-    except SignalException as stopped:  # the ranks had it too (torchrun passes it on)
+    except SignalException as signalled:  # the ranks had it too (torchrun passes it on)
         _remove(errors_path)
-        return 128 + stopped.sigval
+        return 128 + signalled.sigval
     except ChildFailedError as failure:
         handler.stream.write(failure.format_msg() + "\n")
         handler.flush()
-        line = _kept_line(errors_path) or _failure_line(failure)
+        line = _kept_line(errors_path)
+        if line is None and stopped.ended:  # the line is the watchdog's, on another node
+            line = (f"{socket.gethostname()}: this node's ranks stopped for over "
+                    f"{stopped.limit_s:.0f} s (pids {', '.join(map(str, stopped.ended))}) "
+                    f"were ended with SIGKILL; the watchdog's error line names them")
+        line = line or _failure_line(failure)
         print(f"(torchrun's report: {log_path})", file=sys.stderr)
     except DistNetworkError as error:
         if "EADDRINUSE" not in str(error):
             raise
         line = (f"error: MASTER_PORT {args.master_port} is in use on {args.master_addr} "
                 f"(another job, or one not yet ended); set MASTER_PORT to a free port")
+    finally:
+        stopped.done.set()
     print(line, file=sys.stderr, flush=True)
     return 1
 

@@ -11,6 +11,7 @@ The --data-path parsing, index checks and builder call here are shared with bert
 """
 
 import contextlib
+import math
 import os
 import struct
 
@@ -45,10 +46,19 @@ def parse_data_path(data_path):
     words = [word for item in data_path for word in item.split()]
     if not words:
         raise DataError("--data-path is empty")
+    if len(words) > 1 and _is_number(words[0]) and len(words) % 2:
+        raise DataError(f"--data-path {' '.join(words)!r}: expected 'weight prefix' pairs, "
+                        f"got {len(words)} words")
     prefixes, weights = get_blend_from_list(words)
     if weights is None and len(words) % 2 == 0 and _is_number(words[0]):
         raise DataError(f"--data-path {' '.join(words)!r}: expected 'weight prefix' "
                          f"pairs, but some weights are not numbers")
+    if weights is not None:
+        bad = [w for w in weights if not (math.isfinite(w) and w >= 0)]
+        if bad or not sum(weights) > 0:
+            raise DataError(f"--data-path {' '.join(words)!r}: each blend weight must be a "
+                            f"finite number >= 0 and their sum positive"
+                            + (f", got {bad[0]:g}" if bad else ""))
     return prefixes, weights
 
 

@@ -153,7 +153,8 @@ def user_errors(*extra_types):
 
     The listed types are raised identically on every rank (checks without communication, or
     after a collective that shared the verdict), so one line from rank 0 tells the whole story.
-    Anything else keeps its traceback.
+    A collective that fails because a peer stopped or died ends the job as the watchdog does,
+    with its line naming the silent rank. Anything else keeps its traceback.
     """
     from parm_trainer.data.gpt_datasets import DataError
     from parm_trainer.training.checkpointing import CheckpointError
@@ -177,6 +178,13 @@ def user_errors(*extra_types):
         sys.stdout.flush()
         _stop_child_processes()
         os._exit(1)  # no teardown: other ranks may already be gone
+    except RuntimeError as error:  # a collective whose peer stopped or died: the watchdog's line
+        from parm_trainer.training import watchdog
+
+        if not watchdog.is_collective_failure(error):
+            raise
+        _stop_child_processes()
+        watchdog.end_on_collective_failure(error)
 
 
 def _stop_child_processes() -> None:

@@ -30,6 +30,7 @@ from parm_trainer.training import (async_save, checkpointing, faults, memory, me
                                    microbatch_overlap, watchdog)
 from parm_trainer.training import timers as run_timers
 from parm_trainer.training.data import cycle, micro_batch_iterator
+from parm_trainer.training.exit_request import ExitRequest
 from parm_trainer.training.expert_tokens import ExpertTokenCounter, format_expert_tokens
 from parm_trainer.training.flops import flops_per_iteration
 from parm_trainer.training.logger import MetricsLogger, print_rank_0, print_rank_last
@@ -106,6 +107,7 @@ class Trainer:
         torch.manual_seed(args.seed)
         model_parallel_cuda_manual_seed(args.seed)
         watchdog.start(args)
+        self.exit_request = ExitRequest.of(args, rank_device())
         self.config = transformer_config(args)
         self.timers = run_timers.build_timers(args)  # None at --timing-log-level 0
         self.config.timers, self.config.barrier_with_L1_time = (self.timers,
@@ -333,6 +335,7 @@ class Trainer:
             lambda: cycle(lambda: micro_batch_iterator(valid_ds, 0, a.micro_batch_size)))
         first = self._validate(valid_iterator, "validation (start)") if a.eval_iters else None
         window_start, window_iters = time.perf_counter(), 0
+        stop = None  # why the run ends early (ExitRequest), if it does
         while self.iteration < a.train_iters:
             logs_now = self._logs_at(self.iteration + 1)
             # every rank takes the same branch: the MoE metrics are reduced collectively
@@ -357,14 +360,21 @@ class Trainer:
             window_start += time.perf_counter() - paused
             if a.exit_interval and self.iteration % a.exit_interval == 0:
                 break
+            stop = self.exit_request.due() if self.exit_request else None
+            if stop:
+                print_rank_0(f"exiting after iteration {self.iteration}: {stop}"
+                             + (", saving a checkpoint here" if a.save else ""))
+                break
         last = None
-        if a.eval_iters:
+        if a.eval_iters and not stop:
             validated_now = self.iteration % a.eval_interval == 0
             last = self.last_validation if validated_now else self._validate(
                 valid_iterator, "validation (end)")
         if a.save and not (a.save_interval and self.iteration % a.save_interval == 0):
             self.save()
         self._finish_saves()
+        if self.exit_request:
+            self.exit_request.release()
         if first and last:
             print_rank_last(f"validation lm loss: start {first['lm loss']:.4f} -> "
                             f"end {last['lm loss']:.4f}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -31,6 +32,7 @@ import time
 from parm_trainer import error_line
 
 PERIOD_S = 1.0
+BEFORE_TIMEOUT = 0.8  # the watchdog fires by this share of --distributed-timeout-minutes
 ALIVE_S = 5.0  # a rank whose thread has not published for this long is not running
 
 
@@ -101,6 +103,16 @@ class Watchdog:
                     f"{now - self.reached_store:.0f} s (its node's link, or the store's node, "
                     f"is down; --watchdog-timeout-minutes)"))
 
+    def fire_now(self) -> None:
+        """End the job now (a collective failed), as at the limit; does not return."""
+        try:
+            self._fire(time.time())
+        except Exception:  # the store is gone too: this rank's own line
+            when, iteration, phase = self.last
+            self._end({}, time.time(), f"watchdog: rank {self.rank}'s collective failed at "
+                                       f"iteration {iteration} in {phase} and the job's store "
+                                       f"cannot be reached; the job is ended")
+
     def _fire(self, now: float) -> None:
         beats = self._beats()
         first = self.store.add("abort_count", 1) == 1
@@ -158,6 +170,14 @@ def describe(beats: dict, world: int, me: int, now: float, limit_s: float, mine:
 _CURRENT = None
 
 
+def limit_s(args) -> float:
+    """The watchdog's limit: --watchdog-timeout-minutes, at most BEFORE_TIMEOUT of the
+    collectives' own timeout (--distributed-timeout-minutes), so that the watchdog, which
+    names the rank that stopped, fires before a collective gives up with a bare timeout."""
+    return min(args.watchdog_timeout_minutes, BEFORE_TIMEOUT * args.distributed_timeout_minutes) \
+        * 60.0
+
+
 def start(args):
     """Start this rank's watchdog (none with --watchdog-timeout-minutes 0)."""
     global _CURRENT
@@ -170,8 +190,34 @@ def start(args):
     from torch.distributed.distributed_c10d import _get_default_store
 
     store = PrefixStore("parm_watchdog/", _get_default_store())
-    _CURRENT = Watchdog(args.watchdog_timeout_minutes * 60.0, store,
-                        torch.distributed.get_rank(), torch.distributed.get_world_size()).start()
+    _CURRENT = Watchdog(limit_s(args), store, torch.distributed.get_rank(),
+                        torch.distributed.get_world_size()).start()
+
+
+# what a collective raises when a peer is gone or silent (gloo's messages; NCCL's watchdog
+# ends the process itself)
+_COLLECTIVE_FAILURE = re.compile(r"Timed out waiting|Connection (closed|reset) by peer|"
+                                 r"gloo/transport|Broken pipe|DistBackendError")
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    import torch
+
+    return isinstance(error, torch.distributed.DistBackendError) or bool(
+        _COLLECTIVE_FAILURE.search(f"{type(error).__name__}: {error}"))
+
+
+def end_on_collective_failure(error: BaseException) -> None:
+    """A collective failed (a peer stopped, died or cut off): end the job as the watchdog does,
+    with its one line naming the silent rank (never the collective's traceback); without a
+    watchdog, one line quoting the failure. Does not return."""
+    if _CURRENT is not None:
+        _CURRENT.fire_now()
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    error_line.say(f"error: a collective failed ({first[:300]}); --watchdog-timeout-minutes 0, "
+                   f"so no rank is named")
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def beat(iteration: int, phase: str) -> None:

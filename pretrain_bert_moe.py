@@ -37,11 +37,8 @@ from parm_trainer.training.loop import pretrain
 
 
 def check_bert_inputs(args):
-    """Before any communication: the flags, the tokenizer's special tokens, sentence-level data."""
-    if not 0.0 < args.mask_prob < 1.0:
-        raise InputError(f"--mask-prob {args.mask_prob} must be between 0 and 1")
-    if not 0.0 <= args.short_seq_prob <= 1.0:
-        raise InputError(f"--short-seq-prob {args.short_seq_prob} must be between 0 and 1")
+    """Before any communication: the tokenizer's special tokens, sentence-level data (the
+    flags' ranges: parse_args's)."""
     check_bert_tokenizer(args.tokenizer)
     for prefix in parse_data_path(args.data_path)[0]:
         check_sentence_level(prefix)

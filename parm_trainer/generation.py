@@ -25,13 +25,24 @@ from parm_trainer.training import checkpoint_files as files
 
 
 def _own_flags(argv):
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--load-dir", required=True)
+    """This tool's flags; the rest (the layout, --tokenizer-model) are pretrain's."""
+    parser = argparse.ArgumentParser(
+        prog="generate.py", add_help=False, allow_abbrev=False,
+        description="Continue a prompt with a GPT-MoE checkpoint (the model's flags come from "
+                    "the checkpoint). The layout flags (--tensor-model-parallel-size, ...) and "
+                    "--tokenizer-model are pretrain_gpt_moe.py's: see its --help.")
+    parser.add_argument("-h", "--help", action="help", help="show this help and exit")
+    parser.add_argument("--load-dir", required=True, help="a --save directory")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max-new-tokens", type=int, default=20)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy.")
     parser.add_argument("--top-k", type=int, default=0, help="0: all tokens.")
-    return parser.parse_known_args(argv)
+    own, rest = parser.parse_known_args(argv)
+    for flag, value in (("--max-new-tokens", own.max_new_tokens), ("--top-k", own.top_k),
+                        ("--temperature", own.temperature)):
+        if not (value >= 0 and value < float("inf")):
+            parser.error(f"argument {flag}: must not be negative, got {value}")
+    return own, rest
 
 
 def generation_args(argv=None):

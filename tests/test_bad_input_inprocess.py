@@ -300,7 +300,7 @@ def test_pretrain_bert_refuses_a_mask_probability_over_one(entry, gpt_data, caps
 
 
 @pytest.mark.parametrize("case", ["missing_dir", "bert_checkpoint", "no_tokenizer", "no_prompt",
-                                  "layout_over_world"])
+                                  "negative_top_k", "layout_over_world"])
 def test_generate_refuses(case, entry, junk, capsys):
     main = entry("tools/generate.py")
     argv, status, needles = {
@@ -312,12 +312,21 @@ def test_generate_refuses(case, entry, junk, capsys):
                          ["no tokenizer.model in", "give --tokenizer-model"]),
         "no_prompt": (["--load-dir", junk / "bert_ckpt"], 2,
                       ["the following arguments are required: --prompt"]),
+        "negative_top_k": (["--load-dir", junk / "bert_ckpt", "--prompt", "x", "--top-k", "-1"],
+                           2, ["argument --top-k: must not be negative, got -1"]),
         "layout_over_world": (["--load-dir", junk / "no_tokenizer_ckpt", "--prompt", "x",
                                "--tokenizer-model", junk / "garbage.model",
                                "--tensor-model-parallel-size", "2"], 1,
                               ["--tensor-model-parallel-size 2", "world size 1"]),
     }[case]
     assert_refused(main, argv, capsys, status, *needles)
+
+
+def test_generate_help_exits_0(entry, capsys):
+    with pytest.raises(SystemExit) as ended:
+        entry("tools/generate.py")(["--help"])
+    assert ended.value.code == 0
+    assert "pretrain_gpt_moe.py's: see its --help" in capsys.readouterr().out
 
 
 def test_generate_refuses_virtual_stages(entry, junk, capsys):

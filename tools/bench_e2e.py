@@ -43,6 +43,7 @@ from parm_trainer.bench.training_runs import (DEMO_MODEL, add_run_flags, interva
                                              parse_run_flags, run_figure, run_timed, save_held,
                                              training_log, wall_figure)
 from parm_trainer.cluster.launch import add_node_flags, launch_command
+from parm_trainer.progress import Progress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = DEMO_MODEL
@@ -162,6 +163,11 @@ def main(argv=None) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     runs = {s: [] for s in args.schedule_list}
+    launches = args.runs * len(args.schedule_list)
+    print(f"bench_e2e: {launches} launches ({args.runs} runs x {len(args.schedule_list)} "
+          f"schedules, {args.train_iters} iterations each: about 1 minute each on 4 ranks of a "
+          f"2-core machine at the defaults; each one then shows the ETA)", flush=True)
+    progress = Progress(launches, "bench_e2e launches")
     for r in range(args.runs):
         order = args.schedule_list[r % len(args.schedule_list):] + \
             args.schedule_list[:r % len(args.schedule_list)]  # rotate who goes first
@@ -191,6 +197,7 @@ def main(argv=None) -> int:
             wall = last["wall_ms_per_iter"]  # (measured on one node only)
             print(f"run {r + 1}/{args.runs} {schedule:<10} {last['ms_per_iter']:8.1f} ms/iter"
                   + (f", wall {wall:8.1f}" if wall == wall else ""), flush=True)
+            progress.done(f"{schedule} run {r + 1}")
     summary = _summary(runs, args.save_interval)
     path = args.json or os.path.join(args.out_dir, "bench_e2e.json")
     with open(path, "w") as f:

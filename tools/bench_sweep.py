@@ -72,6 +72,10 @@ def measure(args) -> list:
               ",".join(ROWS), "--moe-parm-chunks", "0"]
     if args.nodes > 1:  # per entry: bench_moe_layer parses every entry's argv alone
         timing += ["--inter-node-rate", args.inter_node_bandwidth]
+    total = sum(1 for _, w, _ in grid() if w in args.world_list)
+    print(f"bench_sweep: {total} configurations x {len(ROWS)} rows in {len(args.world_list)} "
+          f"launches (about 3 minutes on a 2-core machine at the defaults; each launch shows "
+          f"its ETA)", flush=True)
     for world in args.world_list:
         entries = [{"name": n, "argv": argv + timing} for n, w, argv in grid() if w == world]
         # absolute: on emulated nodes the ranks run in the repository root (launch.sh)

@@ -64,8 +64,11 @@ def main(argv=None) -> int:
     if args.flags_only:
         print(" ".join(ranked[0].flags()))
         return 0
+    priced = args.profile or ("the built-in default profile: assumed A100 figures, not this "
+                              "machine's (measure them with tools/calibrate_comm.py, then "
+                              "--profile)")
     print(f"{len(ranked)} layouts on {args.nodes} nodes x {args.gpus_per_node}, priced with "
-          f"{args.profile or 'the built-in default profile'}; the best {min(args.top, len(ranked))}:")
+          f"{priced}; the best {min(args.top, len(ranked))}:")
     print(f"{'TP':>3} {'EP':>3} {'ESP':>3} {'PP':>3} {'VP':>3} {'DP':>3} {'MoE':>8}  "
           f"{'ms/iter':>9} {'tokens/s':>10} {'MiB/rank':>9}  {'main cost':<32} layout")
     for c in ranked[:args.top]:

@@ -66,6 +66,9 @@ class MetricsLogger:
 
             save_dir = args.wandb_save_dir or os.path.join(args.save or ".", "wandb")
             os.makedirs(save_dir, exist_ok=True)
+            # wandb keeps its runs in DIR/wandb/: a save directory named wandb is that folder
+            if os.path.basename(os.path.normpath(save_dir)) == "wandb":
+                save_dir = os.path.dirname(os.path.normpath(save_dir)) or "."
             config = {k: v for k, v in vars(args).items()
                       if isinstance(v, (int, float, str, bool, list, type(None)))}
             self.wandb = wandb.init(project=args.wandb_project, name=args.wandb_exp_name,

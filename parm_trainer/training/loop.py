@@ -112,6 +112,7 @@ class Trainer:
         self.timers = run_timers.build_timers(args)  # None at --timing-log-level 0
         self.config.timers, self.config.barrier_with_L1_time = (self.timers,
                                                                 args.barrier_with_L1_time)
+        self.memory_before = memory.local_peak_bytes()  # the libraries, the process groups
         self.model = build_model(args, self.config, model_provider)
         self.optimizer, self.scheduler = build_optimizer(args, self.model, self.timers)
         wire_config(self.config, self.model, self.optimizer)
@@ -132,8 +133,8 @@ class Trainer:
             print_rank_0(f"--overlap-moe-expert-parallel-comm: one micro-batch at a time here: "
                          f"{why}")
         estimate = getattr(args, "memory_estimate", None)  # initialize.report_memory's
-        self._estimate = (f" (estimate {max(r['total'] for r in estimate) / 2**20:.1f} MiB + "
-                          "the framework's own)" if estimate else "")
+        self._estimate = (f"estimate {max(r['total'] for r in estimate) / 2**20:.1f} MiB"
+                          if estimate else "no estimate")
 
     def _load(self):
         args = self.args
@@ -260,7 +261,7 @@ class Trainer:
 
     def _log(self, metrics: dict, seconds_per_iter: float, iterations: int):
         a = self.args
-        peak_mib = memory.peak_mib()  # collective, like the timing report below
+        peak_mib, grown = memory.peak_mib(self.memory_before)  # collective, like the timings
         report = (run_timers.interval_report(self.timers, iterations)
                   if self.timers is not None else {})
         tokens_per_s = a.global_batch_size * a.seq_length / seconds_per_iter
@@ -275,7 +276,8 @@ class Trainer:
             f"lr {metrics['lr']:.3e} | grad norm {metrics['grad norm']:.3f}{extra} | "
             f"ms/iter {seconds_per_iter * 1e3:.1f} | tokens/s {tokens_per_s:.0f} | "
             f"TFLOP/s/device {tflops:.4f} | ETA {eta / 60:.1f} min | "
-            f"peak {memory.KIND} {peak_mib:.1f} MiB{self._estimate}")
+            f"peak {memory.KIND} {peak_mib:.1f} MiB (of it {grown:.1f} since the model was "
+            f"built: {self._estimate})")
         if report:
             print_rank_last(run_timers.format_report(report, a.timing_log_option))
         if per_layer:  # Megatron-LM's names: moe/<loss>_layer_<n>

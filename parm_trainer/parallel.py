@@ -85,7 +85,7 @@ def _validate_moe(args, tp, ep, etp) -> None:
     freq = args.moe_layer_freq
     if isinstance(freq, int):
         _require(freq >= 1, "--moe-layer-freq must be at least 1")
-    else:  # a list: one entry per layer (arguments.moe_layer_freq checked the entries)
+    else:  # a list: one entry per layer (layer_pattern.moe_layer_freq checked the entries)
         _require(len(freq) == args.num_layers,
                  f"--moe-layer-freq lists {len(freq)} layers, --num-layers is {args.num_layers}")
     if experts is None:

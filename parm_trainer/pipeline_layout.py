@@ -25,7 +25,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from parm_trainer.arguments import moe_layer_pattern
+from parm_trainer.layer_pattern import moe_layer_pattern
 from parm_trainer.parallel import LayoutError
 
 LAYOUT = "--pipeline-model-parallel-layout"

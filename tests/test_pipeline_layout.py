@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from parm_trainer import pipeline_layout
-from parm_trainer.arguments import ArgumentsError, moe_layer_freq, parse_args
+from parm_trainer.arguments import ArgumentsError, parse_args
+from parm_trainer.layer_pattern import moe_layer_freq
 from parm_trainer.parallel import LayoutError, validate_layout
 
 with warnings.catch_warnings():

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from parm_trainer.arguments import moe_layer_pattern
+from parm_trainer.layer_pattern import moe_layer_pattern
 
 
 class NotExportable(ValueError):

@@ -12,7 +12,7 @@ A Qwen2-MoE directory imports only in that form: a real shared expert or a bias 
 
 from __future__ import annotations
 
-from parm_trainer.arguments import moe_layer_pattern
+from parm_trainer.layer_pattern import moe_layer_pattern
 from parm_trainer.convert.decoder import NotExportable, Target, common_flags, heads, rope
 
 CONFIG_CLASS = "Qwen2MoeConfig"

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from parm_trainer import moe_flags
-from parm_trainer.arguments import moe_layer_pattern
+from parm_trainer.layer_pattern import moe_layer_pattern
 
 
 def transformer_config(args: argparse.Namespace) -> TransformerConfig:

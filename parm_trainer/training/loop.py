@@ -23,7 +23,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe import moe_utils
 
-from parm_trainer.arguments import moe_layer_pattern
+from parm_trainer.layer_pattern import moe_layer_pattern
 from parm_trainer.models.config import num_moe_layers, transformer_config
 from parm_trainer.parallel import destroy_distributed, rank_device
 from parm_trainer.training import (async_save, checkpointing, faults, memory, memory_probe,

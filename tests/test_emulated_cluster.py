@@ -118,6 +118,8 @@ def test_a_node_stopped_from_outside_ends_the_job_with_one_line(gpt_data, tmp_pa
                                           errors[0]), logs[-3000:]
     assert "Traceback" not in logs, logs[-3000:]
     assert "were ended with SIGKILL" in (tmp_path / "logs/node1.log").read_text()
+    print(f"\nnode 1 stopped after iteration {after}, every rank ended "
+          f"{took - float(stop[1]):.1f} s later: {errors[0]}")
 
 
 def test_failing_command_leaves_nothing_behind(tmp_path):

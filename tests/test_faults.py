@@ -66,7 +66,8 @@ def test_a_rank_stopped_from_outside_ends_the_job_with_one_line(gpt_data, tmp_pa
     seconds = time.monotonic() - stopped_at[0]
     line = assert_ended_by_the_watchdog(output, seconds, {rank})
     assert line == output.strip().splitlines()[-1], output[-2000:]
-    print(f"rank {rank} stopped {delay:.2f} s after iteration {after}: {line}")
+    print(f"\nrank {rank} stopped {delay:.2f} s after iteration {after}, every rank ended "
+          f"{seconds:.1f} s later: {line}")
 
 
 PHASES = ("write", "rename", "renamed", "tracker")

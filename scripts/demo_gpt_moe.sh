@@ -9,8 +9,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export RUN_DIR=${RUN_DIR:-runs/demo}
 rm -rf "$RUN_DIR"
+mkdir -p "$RUN_DIR"
+# the whole log in $RUN_DIR/train.log; on the terminal, without the step-time tables that
+# --timing-log-level 2 prints every --log-interval (the pictures below draw them)
 NPROC_PER_NODE=${NPROC:-4} TP=2 EP=2 ETP=2 TRAIN_ITERS=${TRAIN_ITERS:-300} \
-    bash scripts/train_gpt_moe.sh --timing-log-level 2 "$@"
+    bash scripts/train_gpt_moe.sh --timing-log-level 2 "$@" 2>&1 | tee "$RUN_DIR/train.log" \
+    | grep --line-buffered -v -E \
+        '^(    [^ ].*\.\.+: |    moe layer [0-9]+ fwd/bwd|(\(min, max\)|max) time across ranks)'
+echo "the whole training log, with the step-time tables: $RUN_DIR/train.log"
 # the trained model continues a fixed prompt (greedy, one rank)
 "${PYTHON:-.venv/bin/python}" tools/generate.py --load-dir "$RUN_DIR/checkpoints" \
     --prompt "${PROMPT:-Return the number of}" --max-new-tokens 24

@@ -6,8 +6,8 @@ above it. Here torchrun runs in this process with its agent's log and that repor
 log file; the ranks print as they always do but for their `error` lines, which error_line.py
 writes to PARM_ERROR_FILE (set here), and a failed job ends with its error line, printed once
 after every rank has ended: the first one of this node's ranks wrote or, where none did, a
-line naming the rank that failed first and how. A master port already in use is one line naming MASTER_PORT. A restart (MAX_RESTARTS)
-is still said on the terminal.
+line naming the rank that failed first and how. A master port already in use is one line
+naming MASTER_PORT. A restart (MAX_RESTARTS) is still said on the terminal.
 
 A rank stopped from outside (SIGSTOP, a debugger) answers no signal but SIGKILL, and torchrun
 would wait for it forever where the ranks that noticed (their watchdog names it) are on
@@ -93,17 +93,30 @@ def _failure_line(failure) -> str:
             " (its output above)")
 
 
-def _exit_signal(script_args: list):
+def _script_flags(script_args: list):
+    """The training script's flags this launcher acts on, read as its parser reads them (a
+    bad value falls back to the defaults: the ranks refuse it themselves)."""
+    import argparse
+
+    class Quiet(argparse.ArgumentParser):
+        def error(self, message):
+            raise ValueError(message)
+
+    parser = Quiet(add_help=False, allow_abbrev=False)
+    parser.add_argument("--exit-signal-handler", action="store_true")
+    parser.add_argument("--exit-signal", default="SIGTERM")
+    parser.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    parser.add_argument("--watchdog-timeout-minutes", type=float, default=None)
+    try:
+        return parser.parse_known_args(script_args)[0]
+    except ValueError:
+        return parser.parse_args([])
+
+
+def _exit_signal(flags):
     """The signal the ranks save and exit on (--exit-signal-handler), or None."""
-    if "--exit-signal-handler" not in script_args:
-        return None
-    name = "SIGTERM"
-    for at, item in enumerate(script_args):
-        if item == "--exit-signal" and at + 1 < len(script_args):
-            name = script_args[at + 1]
-        elif item.startswith("--exit-signal="):
-            name = item.split("=", 1)[1]
-    return getattr(signal.Signals, name, None)
+    return getattr(signal.Signals, flags.exit_signal, None) if flags.exit_signal_handler \
+        else None
 
 
 def _pass_on(signum, frame) -> None:
@@ -116,25 +129,16 @@ def _pass_on(signum, frame) -> None:
             pass
 
 
-def _stopped_rank_limit_s(script_args: list) -> float:
-    """How long a rank may stay stopped: the watchdog's limit (watchdog.limit_s; the
-    collectives' timeout where the watchdog is off), plus REAP_MARGIN_S."""
-    import argparse
+def _stopped_rank_limit_s(flags) -> float:
+    """How long a rank may stay stopped: the watchdog's limit (the collectives' timeout where
+    the watchdog is off), plus REAP_MARGIN_S."""
+    from parm_trainer.training.watchdog import limit_s
 
-    from parm_trainer.training.watchdog import BEFORE_TIMEOUT
-
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
-    parser.add_argument("--watchdog-timeout-minutes", type=float, default=None)
-    try:
-        known, _ = parser.parse_known_args(script_args)
-    except SystemExit:  # a bad value: the ranks refuse it themselves
-        known = parser.parse_args([])
-    timeout = known.distributed_timeout_minutes
-    watchdog = timeout if known.watchdog_timeout_minutes is None \
-        else known.watchdog_timeout_minutes
-    minutes = min(watchdog, BEFORE_TIMEOUT * timeout) if watchdog else timeout
-    return minutes * 60.0 + REAP_MARGIN_S
+    if flags.watchdog_timeout_minutes is None:  # parse_args's default
+        flags.watchdog_timeout_minutes = flags.distributed_timeout_minutes
+    seconds = limit_s(flags) if flags.watchdog_timeout_minutes else \
+        flags.distributed_timeout_minutes * 60.0
+    return seconds + REAP_MARGIN_S
 
 
 class _StoppedRanks(threading.Thread):
@@ -174,7 +178,8 @@ def main(argv=None) -> int:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    exit_signal = _exit_signal(args.training_script_args)
+    flags = _script_flags(args.training_script_args)
+    exit_signal = _exit_signal(flags)
     if exit_signal is not None:  # the ranks', not torchrun's
         args.signals_to_handle = ",".join(
             name for name in args.signals_to_handle.split(",") if name != exit_signal.name)
@@ -185,7 +190,7 @@ def main(argv=None) -> int:
         os.remove(errors_path)
     os.environ[ERROR_FILE_ENV] = errors_path  # the ranks inherit it
     handler = _route_agent_log(log_path, errors_path)
-    stopped = _StoppedRanks(_stopped_rank_limit_s(args.training_script_args))
+    stopped = _StoppedRanks(_stopped_rank_limit_s(flags))
     stopped.start()
     try:
         run(args)

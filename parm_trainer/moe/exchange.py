@@ -264,10 +264,11 @@ def _pieces(n: int, chunks: int, local_first: bool) -> list:
             + [_Piece(*span, "local") for span in comm.chunk_spans(n, 2)])
 
 
-def exchange(layer, routed: Routed, gather_mp: bool, on_wire=None):
+def exchange(layer, routed: Routed, gather_mp: bool, shared=None):
     """The exact exchange of routed's tokens -> their MoE outputs (n, M), or with gather_mp
-    every MP rank's, in MP rank order (G n, M). on_wire() runs once every outbound piece is
-    on the wire (the shared expert, where it overlaps)."""
+    every MP rank's, in MP rank order (G n, M). shared (the overlapped shared expert,
+    shared_expert.Deferred) runs once every outbound piece is on the wire, and binds its
+    backward once every piece's outputs are on their way back."""
     ep_group, esp_group, mp_group = (layer.groups[g] for g in ("ep", "esp", "mp"))
     ep, esp = layer.ep_size, comm.group_size(esp_group)
     me_ep = parallel_state.get_expert_model_parallel_rank()
@@ -284,8 +285,8 @@ def exchange(layer, routed: Routed, gather_mp: bool, on_wire=None):
     extras = _agree_counts(pieces, masks, ep, esp, me_ep, me_esp, relay,
                            None if aux is None else aux.counts())
     if ep == 1 and esp == 1 and relay is None and not gather_mp:  # nothing to exchange
-        if on_wire is not None:
-            on_wire()
+        if shared is not None:
+            shared.run()
         outs = [_only_here(layer, tokens, masks, p) for p in pieces]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         return out if aux is None else layer.router.attach(aux, extras[layer.aux_rows].sum(0),
@@ -302,8 +303,8 @@ def exchange(layer, routed: Routed, gather_mp: bool, on_wire=None):
     for p in sent:
         counts = cu.counts_of("alltoall", me_link, send=p.send, recv=p.recv)
         outbound.append(cu.start(payload(p), counts, link, name))
-    if on_wire is not None:
-        on_wire()
+    if shared is not None:
+        shared.run()
     computed = []  # the local pieces' (piece, outputs)
     for p in local[:1]:
         computed.append((p, _esp_experts(layer, payload(p), p, hidden, esp_group, me_esp)))
@@ -318,6 +319,8 @@ def exchange(layer, routed: Routed, gather_mp: bool, on_wire=None):
             out = _back_in_node(out, came_from, received, p, relay)
         back = cu.counts_of("alltoall", me_link, send=p.recv, recv=p.send)
         inbound.append(cu.start(out, back, link, name))
+    if shared is not None:
+        shared.bind()
     for p in local[1:]:
         computed.append((p, _esp_experts(layer, payload(p), p, hidden, esp_group, me_esp)))
     base = tokens.new_zeros(tokens.shape[0], hidden) if computed else None  # the local rows

@@ -219,7 +219,7 @@ class ParmMoELayer(MegatronModule):
                                                           device=x.device))
         return out.view(local, ep, c, hidden).transpose(0, 1).reshape(ep * local, c, hidden)
 
-    def _pipeline(self, x, gather_mp: bool, on_wire=None):
+    def _pipeline(self, x, gather_mp: bool, shared=None):
         """The expert exchange of s1 (and s2, gather_mp) on (E, c, M) in self.chunks pieces of
         the capacity slots. Every piece's AlltoAll is issued at once; while later pieces are
         on the wire, piece i is gathered over ESP, computed, reduce-scattered and sent back
@@ -231,13 +231,15 @@ class ParmMoELayer(MegatronModule):
         if not spans:  # no capacity slots (agreed on every rank): nothing to exchange
             return x
         outbound = [comm.start("alltoall", x.narrow(1, *span), ep, "ep") for span in spans]
-        if on_wire is not None:
-            on_wire()
+        if shared is not None:
+            shared.run()
         inbound = []
         for started in outbound:
             y = comm.all_gather(comm.finish(started), esp, "esp", dim=1)
             y = comm.reduce_scatter(self._expert(y), esp, "esp", dim=1)
             inbound.append(comm.start("alltoall", y, ep, "ep"))
+        if shared is not None:
+            shared.bind()
         if not gather_mp:
             return torch.cat([comm.finish(started) for started in inbound], dim=1)
         gathers = [comm.start("gather", comm.finish(started), mp, "mp", dim=1)
@@ -285,8 +287,8 @@ class ParmMoELayer(MegatronModule):
                 x = self._expert(x)
             elif op == "pipeline":
                 gather_mp = "mp" in step.group.split(",")
-                x = (exchange(self, x, gather_mp, shared_out.run) if isinstance(x, Routed)
-                     else self._pipeline(x, gather_mp, shared_out.run))
+                x = (exchange(self, x, gather_mp, shared_out) if isinstance(x, Routed)
+                     else self._pipeline(x, gather_mp, shared_out))
             elif op == "combine" and self.exact:
                 pass  # the exact exchange added every row into its token already
             elif op == "combine":

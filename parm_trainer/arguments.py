@@ -21,6 +21,7 @@ import torch
 
 from parm_trainer import error_line, flag_ranges, moe_flags
 from parm_trainer.layer_pattern import moe_layer_freq
+from parm_trainer.errors import ArgumentsError
 
 
 def _model_group(parser):
@@ -349,8 +350,6 @@ def command_line(values: dict, extra_args_provider=None) -> list:
     return flags
 
 
-class ArgumentsError(ValueError):
-    """Flags that contradict each other; the message names them."""
 
 
 # signals --exit-signal-handler can catch (Megatron-LM takes any name of signal.Signals)

@@ -138,8 +138,9 @@ def main(argv=None) -> None:
     from parm_trainer.data.tokenizer import build_tokenizer
     from parm_trainer.models.config import transformer_config
     from parm_trainer.models.gpt import build_gpt_moe
-    from parm_trainer.parallel import (LayoutError, destroy_distributed, initialize_distributed,
-                                       validate_layout)
+    from parm_trainer.errors import LayoutError
+    from parm_trainer.planning.checks import validate_layout
+    from parm_trainer.parallel import destroy_distributed, initialize_distributed
     from parm_trainer.training.checkpointing import load_checkpoint
     from parm_trainer.training.initialize import user_errors
 

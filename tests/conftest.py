@@ -21,7 +21,7 @@ import pytest
 from torchrun_server import RENDEZVOUS_HUNG
 
 ROOT = Path(__file__).resolve().parents[1]
-# auto's start-up measurements (parm_trainer/moe/tune.py), shared by this session's launches
+# auto's start-up measurements (parm_trainer/schedule/tune.py), shared by this session's launches
 # (so runs that are compared make the same choice) and never the user's own cache
 # (every process the tests start inherits it)
 os.environ["PARM_TRAINER_CACHE_DIR"] = f"/tmp/parm_trainer_test_cache_{os.getpid()}"

@@ -10,7 +10,6 @@ conversion tools run their main(argv) too; the launchers run in bash and stop be
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
@@ -282,15 +281,6 @@ def test_pretrain_gpt_refuses_a_bad_blend(blend, needle, entry, gpt_data, capsys
     words = [word.format(p=gpt_data["prefix"]) for word in blend]
     assert_refused(main, pretrain_argv(gpt_data, "--data-path", *words), capsys, 1,
                    "--data-path", needle)
-
-
-def test_pretrain_gpt_refuses_auto_stages_without_the_stage_builder(entry, gpt_data, capsys,
-                                                                   monkeypatch):
-    monkeypatch.setitem(sys.modules, "parm_trainer.planning.stages", None)  # import fails
-    main = entry("pretrain_gpt_moe.py", 2)
-    assert_refused(main, pretrain_argv(gpt_data, "--pipeline-model-parallel-size", "2",
-                                       "--pipeline-model-parallel-layout", "auto"), capsys, 1,
-                   "--pipeline-model-parallel-layout auto is not available")
 
 
 def test_pretrain_bert_refuses_a_mask_probability_over_one(entry, gpt_data, capsys):

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from parm_trainer.moe.cost_model import KINDS, LINKS, Profile
+from parm_trainer.moe.cost_profile import KINDS, LINKS, Profile
 
 
 def test_two_rank_calibration_writes_loadable_profile(tmp_path):

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from parm_trainer.moe.cost_model import (DEFAULT_PROFILE, KINDS, LayerShape, Profile,
-                                         ProfileError, choose_schedule, fit_alpha_beta,
-                                         pipeline_s, plan_cost, remote_share, step_load,
-                                         walk)
+from parm_trainer.errors import ProfileError
+from parm_trainer.moe.cost_model import choose_schedule, pipeline_s, plan_cost, step_load, walk
+from parm_trainer.moe.cost_profile import DEFAULT_PROFILE, KINDS, Profile, fit_alpha_beta
+from parm_trainer.moe.cost_shape import LayerShape, remote_share
 from parm_trainer.moe.schedules import build_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -379,7 +379,7 @@ def test_profile_file_errors_name_the_file(tmp_path):
 
 def test_profile_of_another_world_size_is_refused(tmp_path):
     from parm_trainer.arguments import parse_args
-    from parm_trainer.moe.auto import resolve_auto_schedule
+    from parm_trainer.schedule.auto import resolve_auto_schedule
 
     path = tmp_path / "calibrated.json"
     replace(DEFAULT_PROFILE, world_size=4).to_json(str(path))

@@ -10,7 +10,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from parm_trainer.moe.cost_model import LayerShape, plan_cost
+from parm_trainer.moe.cost_model import plan_cost
+from parm_trainer.moe.cost_shape import LayerShape
 from parm_trainer.moe.schedules import build_plan
 from test_cost_model import SHAPE, profile, step_bytes
 
@@ -78,8 +79,8 @@ def test_relay_applies_where_an_ep_group_has_ranks_on_several_nodes(monkeypatch)
     --ranks-per-node or else LOCAL_WORLD_SIZE."""
     from types import SimpleNamespace
 
-    from parm_trainer.moe.auto import layer_shape
-    from parm_trainer.moe.node_relay import ep_groups, ranks_per_node, relay_size
+    from parm_trainer.moe.cost_shape import layer_shape
+    from parm_trainer.node_relay import ep_groups, ranks_per_node, relay_size
 
     def args(world, ep, esp, topk=2, exchange="exact", **extra):
         return SimpleNamespace(world_size=world, expert_model_parallel_size=ep,

@@ -14,7 +14,9 @@ from dataclasses import replace
 
 import pytest
 
-from parm_trainer.moe.cost_model import KINDS, Profile, ProfileError, remote_share
+from parm_trainer.errors import ProfileError
+from parm_trainer.moe.cost_profile import KINDS, Profile
+from parm_trainer.moe.cost_shape import remote_share
 from parm_trainer.moe.link_sharing import (concurrency_factor, link_flows, links_from,
                                            remote_share_of, sharing, tiled_groups)
 

@@ -131,7 +131,7 @@ def test_moe_bert_with_the_features_trains_as_megatrons_layer(bert_data, tmp_pat
 
 def test_the_start_up_line_says_where_routing_groups_limit_the_exchange():
     from parm_trainer.arguments import parse_args
-    from parm_trainer.moe.node_relay import group_limit_note
+    from parm_trainer.node_relay import group_limit_note
 
     def note(ep, groups, world, per_node):
         args = parse_args(["--num-experts", "32", "--moe-router-topk", "8",
@@ -183,8 +183,9 @@ def test_cost_model_prices_the_shared_expert_and_routing_groups():
     to exactly group-topk of them."""
     from dataclasses import replace
 
-    from parm_trainer.moe.auto import DEFAULT_PROFILE
-    from parm_trainer.moe.cost_model import LayerShape, plan_cost, shape_plan, shared_expert_s
+    from parm_trainer.moe.cost_profile import DEFAULT_PROFILE
+    from parm_trainer.moe.cost_model import plan_cost, shape_plan, shared_expert_s
+    from parm_trainer.moe.cost_shape import LayerShape
 
     shape = LayerShape(tokens=4096, hidden=1024, ffn=256, experts=64, topk=8,
                        capacity_factor=None, ep=8, exact=True, chunks=2)

@@ -101,7 +101,7 @@ def run_launch(nproc, configs, tmp_path, timeout=240, dump=None):
 
 def should_run(schedule, mp, esp, sp):
     if schedule == "baseline":
-        # ESP = MP (DeepSpeed's TED). parallel.validate_layout also admits MP = 1 with
+        # ESP = MP (DeepSpeed's TED). planning/checks.validate_layout also admits MP = 1 with
         # ESP > 1, where the baseline's ESP all-reduce sums different DP replicas' tokens;
         # the bench tool skips that layout itself.
         return esp == mp

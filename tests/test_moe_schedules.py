@@ -8,7 +8,8 @@ import pytest
 
 from parm_trainer.arguments import parse_args
 from parm_trainer.moe.schedules import build_plan
-from parm_trainer.parallel import LayoutError, validate_layout
+from parm_trainer.errors import LayoutError
+from parm_trainer.planning.checks import validate_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,7 +91,7 @@ def test_megatron_schedule_keeps_megatrons_rule():
 
 
 def _auto(*argv):
-    from parm_trainer.moe.auto import resolve_auto_schedule
+    from parm_trainer.schedule.auto import resolve_auto_schedule
 
     args = parse_args(["--num-experts", "8", "--disable-bias-linear", "--moe-parm-schedule",
                        "auto", "--tensor-model-parallel-size", "4", "--hidden-size", "1024",
@@ -126,7 +127,7 @@ def test_auto_chunks_pipeline_a_slow_link(tmp_path):
     them must win over r = 1; every (schedule, r) candidate is logged."""
     import json
 
-    from parm_trainer.moe.cost_model import KINDS
+    from parm_trainer.moe.cost_profile import KINDS
 
     path = tmp_path / "slow.json"
     path.write_text(json.dumps({
@@ -148,8 +149,8 @@ def test_auto_without_a_profile_is_left_to_the_start_up_measurement():
     """No profile: nothing is decided before the process groups exist; the candidates are s1
     and s2 at depths 1, 2 and 4 by default, only the depths of a schedule given, only the
     schedules at a depth given (tune.py measures them)."""
-    from parm_trainer.moe import tune
-    from parm_trainer.moe.auto import resolve_auto_schedule
+    from parm_trainer.schedule import tune
+    from parm_trainer.schedule.auto import resolve_auto_schedule
 
     ep2 = ["--expert-model-parallel-size", "2"]
     with_local = [c for n in ("s1", "s2")
@@ -186,7 +187,7 @@ def test_auto_without_a_profile_is_left_to_the_start_up_measurement():
 
 
 def test_tune_cache_survives_a_corrupt_file(tmp_path):
-    from parm_trainer.moe import tune
+    from parm_trainer.schedule import tune
 
     path = tmp_path / "sub" / "tune.json"
     assert tune._read(str(path), "k") is None  # missing
@@ -209,7 +210,7 @@ def test_tune_times_the_candidates_in_interleaved_rounds():
     been taken; interleaved, each median is its true time. Every candidate gets its warm-up
     before any is timed; each round takes every candidate once, in an order of its own that
     depends on the round alone (every rank runs the same order)."""
-    from parm_trainer.moe.tune import interleaved_times
+    from parm_trainer.schedule.tune import interleaved_times
 
     def interleaved_medians(*args, **kwargs):
         return [statistics.median(t) for t in interleaved_times(*args, **kwargs).values()]
@@ -241,7 +242,7 @@ def test_tune_runs_off_a_close_call():
     interleaved runs and the medians over all their runs decide: here b's 5 first runs are
     lucky (2.9 ms against a's 3.0) but its true time is 3.1 ms, so a is taken. The medians are
     reduced (as over ranks) before either comparison. A clear lead gets no run-off."""
-    from parm_trainer.moe.tune import measured_seconds
+    from parm_trainer.schedule.tune import measured_seconds
 
     calls, reduced = [], []
 
@@ -270,7 +271,7 @@ def test_tune_runs_off_a_close_call():
 def test_tune_cache_path(monkeypatch):
     from types import SimpleNamespace
 
-    from parm_trainer.moe.tune import cache_path
+    from parm_trainer.schedule.tune import cache_path
 
     monkeypatch.setenv("PARM_TRAINER_CACHE_DIR", "/somewhere")
     assert cache_path(SimpleNamespace(moe_parm_tune_cache=None)) == "/somewhere/moe_tune.json"

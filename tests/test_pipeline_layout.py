@@ -5,17 +5,17 @@ The launches that train under these layouts are in tests/test_training_layouts.p
 of each entry point in tests/test_bad_input_inprocess.py.
 """
 
-import sys
-import types
 import warnings
 
 import pytest
 import torch
 
-from parm_trainer import pipeline_layout
+from parm_trainer.planning import layout as pipeline_layout
+from parm_trainer.planning import stages
 from parm_trainer.arguments import ArgumentsError, parse_args
 from parm_trainer.layer_pattern import moe_layer_freq
-from parm_trainer.parallel import LayoutError, validate_layout
+from parm_trainer.errors import LayoutError
+from parm_trainer.planning.checks import validate_layout
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # megatron.core: optional GPU extensions missing
@@ -130,8 +130,7 @@ def test_auto_asks_the_stage_builder_and_checks_its_answer(monkeypatch):
         log("chosen")
         return "Ettt|tL"
 
-    monkeypatch.setitem(sys.modules, "parm_trainer.planning.stages",
-                        types.SimpleNamespace(auto_layout=auto_layout))
+    monkeypatch.setattr(stages, "auto_layout", auto_layout)
     args = placed(2, "--num-layers", "4", "--pipeline-model-parallel-size", "2",
                   "--pipeline-model-parallel-layout", "auto")
     assert args.pipeline_stages is None
@@ -152,15 +151,6 @@ def test_auto_asks_the_stage_builder_and_checks_its_answer(monkeypatch):
     with pytest.raises(LayoutError, match="with 1 virtual stages per rank; "
                                           "--num-virtual-stages-per-pipeline-rank asked for 2"):
         pipeline_layout.resolve_auto(args, lines.append)
-
-
-def test_auto_without_the_stage_builder_says_so(monkeypatch):
-    monkeypatch.setitem(sys.modules, "parm_trainer.planning.stages", None)  # import fails
-    args = placed(2, "--num-layers", "4", "--pipeline-model-parallel-size", "2",
-                  "--pipeline-model-parallel-layout", "auto")
-    with pytest.raises(ArgumentsError, match="--pipeline-model-parallel-layout auto is not "
-                                             "available"):
-        pipeline_layout.resolve_auto(args, print)
 
 
 @pytest.mark.parametrize("world,argv,fragment", [

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from conftest import load_module
-from test_units import build_tiny, one_rank_world  # noqa: F401 (fixture)
+from test_models_init import build_tiny, one_rank_world  # noqa: F401 (fixture)
 
-from parm_trainer.moe.cost_model import DEFAULT_PROFILE, Profile
+from parm_trainer.moe.cost_profile import DEFAULT_PROFILE, Profile
 from parm_trainer.planning.model_cost import ModelCost, Piece, moe_layers
-from parm_trainer.planning.stages import (LayoutError, auto_layout, even_split, in_flight,
+from parm_trainer.planning.stages import (NoSplitFits, auto_layout, even_split, in_flight,
                                           layout_string, live_micro_batches, predict, split)
 
 
@@ -50,9 +50,9 @@ def test_split_respects_the_memory_limit_and_says_when_nothing_fits():
     runs = split(pieces, 2, _Flat(), in_flight=[2, 1], memory_limit_bytes=10 * 3 + 0.5)
     for run, flight in zip(runs, (2, 1)):
         assert 8 * len(run) + flight * len(run) <= 30.5
-    with pytest.raises(LayoutError, match="memory limit"):
+    with pytest.raises(NoSplitFits, match="memory limit"):
         split(pieces, 2, _Flat(), memory_limit_bytes=9 * 2)
-    with pytest.raises(LayoutError, match="at most one stage per piece"):
+    with pytest.raises(NoSplitFits, match="at most one stage per piece"):
         split(pieces, 7, _Flat())
 
 
@@ -168,7 +168,7 @@ PLAN_MODEL = ["--num-layers", "6", "--hidden-size", "64", "--num-attention-heads
 
 def test_plan_layout_ranks_layouts_that_run(capsys):
     from parm_trainer.arguments import parse_args
-    from parm_trainer.parallel import validate_layout
+    from parm_trainer.planning.checks import validate_layout
     from parm_trainer.planning.search import candidates
 
     plan_layout = load_module("tools/plan_layout.py", "plan_layout")

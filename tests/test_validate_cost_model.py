@@ -15,8 +15,9 @@ from conftest import ROOT
 from parm_trainer.bench import validation
 from parm_trainer.bench.cost_fit import _nnls, layer_shape, parts
 from parm_trainer.bench.validation_report import format_report, write_png
-from parm_trainer.moe.cost_model import (DEFAULT_PROFILE, LAYER_DEFAULT, LAYER_KEYS, calls,
-                                         plan_cost, remote_share, step_load, walk)
+from parm_trainer.moe.cost_model import calls, plan_cost, step_load, walk
+from parm_trainer.moe.cost_profile import DEFAULT_PROFILE, LAYER_DEFAULT, LAYER_KEYS
+from parm_trainer.moe.cost_shape import remote_share
 from parm_trainer.moe.schedules import build_plan
 
 spec = importlib.util.spec_from_file_location("validate_cost_model",

@@ -30,7 +30,7 @@ from parm_trainer.bench.training_runs import (DEMO_MODEL, add_run_flags, interva
                                              training_log)
 from parm_trainer.cluster.launch import add_node_flags, launch_command
 from parm_trainer.data.tokenizer import build_tokenizer
-from parm_trainer.moe.cost_model import DEFAULT_PROFILE, Profile
+from parm_trainer.moe.cost_profile import DEFAULT_PROFILE, Profile
 from parm_trainer.planning.search import candidates
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -21,7 +21,8 @@ import sys
 
 from parm_trainer.arguments import ArgumentsError, parse_args
 from parm_trainer.data.tokenizer import TokenizerError, build_tokenizer
-from parm_trainer.moe.cost_model import DEFAULT_PROFILE, Profile, ProfileError
+from parm_trainer.errors import ProfileError
+from parm_trainer.moe.cost_profile import DEFAULT_PROFILE, Profile
 from parm_trainer.planning.search import candidates
 
 

@@ -32,7 +32,9 @@ import os
 import statistics
 from dataclasses import replace
 
-from parm_trainer.moe.cost_model import LayerShape, Profile, plan_cost, price_schedules
+from parm_trainer.moe.cost_model import plan_cost, price_schedules
+from parm_trainer.moe.cost_profile import Profile
+from parm_trainer.moe.cost_shape import LayerShape
 from parm_trainer.moe.schedules import build_plan
 
 CLUSTERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "clusters")

@@ -55,7 +55,7 @@ from parm_trainer.bench.validation import (LAYOUTS, NODE_SHAPES, base_name, conf
                                            evaluate, grid, merge_rounds, node_layouts)
 from parm_trainer.bench.validation_report import format_report, write_png
 from parm_trainer.cluster.launch import add_node_flags, launch_command
-from parm_trainer.moe.cost_model import Profile
+from parm_trainer.moe.cost_profile import Profile
 from parm_trainer.progress import Progress
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from parm_trainer.moe.cost_model import KINDS, fit_alpha_beta, sent_bytes
+from parm_trainer.moe.cost_model import sent_bytes
+from parm_trainer.moe.cost_profile import KINDS, fit_alpha_beta
 from parm_trainer.moe.link_sharing import link_flows
 
 R2_MIN = 0.95

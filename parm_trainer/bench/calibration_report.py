@@ -11,7 +11,7 @@ import statistics
 import sys
 
 from parm_trainer.bench.calibrate import BURST_PAUSE, R2_MIN, burst_from, fit
-from parm_trainer.moe.cost_model import KINDS, LAYER_DEFAULT, LINKS, Profile
+from parm_trainer.moe.cost_profile import KINDS, LAYER_DEFAULT, LINKS, Profile
 from parm_trainer.moe.link_sharing import links_from
 
 

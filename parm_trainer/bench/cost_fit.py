@@ -10,7 +10,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from parm_trainer.moe.cost_model import LAYER_DEFAULT, LayerShape, Profile, plan_cost, shape_plan
+from parm_trainer.moe.cost_model import plan_cost, shape_plan
+from parm_trainer.moe.cost_profile import LAYER_DEFAULT, Profile
+from parm_trainer.moe.cost_shape import LayerShape
 
 
 def layer_shape(config: dict, bytes_per_element: int = 4) -> LayerShape:

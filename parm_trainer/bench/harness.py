@@ -33,7 +33,7 @@ def _trial(args, name):
     --moe-parm-chunks 0, the pipeline depth) the cost model picks for this layer, from
     --moe-parm-cost-profile or the built-in profile."""
     from parm_trainer.bench.flags import depth_row, shared_row
-    from parm_trainer.moe.auto import resolve_auto_schedule
+    from parm_trainer.schedule.auto import resolve_auto_schedule
 
     trial = copy.copy(args)
     trial.peer = peers.deepspeed_mode(name)
@@ -56,10 +56,10 @@ def _trial(args, name):
 
 def _tune_pending(runnable, results):
     """Trials auto left to be measured (no cost profile): measured now, on this layout, as a
-    training run does at start-up (parm_trainer/moe/tune.py); one none of whose candidates can
+    training run does at start-up (parm_trainer/schedule/tune.py); one none of whose candidates can
     run is reported as skipped."""
-    from parm_trainer.moe.tune import tune_at_startup
-    from parm_trainer.parallel import LayoutError
+    from parm_trainer.schedule.tune import tune_at_startup
+    from parm_trainer.errors import LayoutError
 
     out = []
     for schedule, trial in runnable:
@@ -190,7 +190,8 @@ def run_peer(name, args, replica, weights, device, dump_dir):
 def _runnable(args, results):
     """[(row, trial args)] of the rows whose layout checks pass; the others go to results as
     skipped with the reason."""
-    from parm_trainer.parallel import LayoutError, validate_layout
+    from parm_trainer.errors import LayoutError
+    from parm_trainer.planning.checks import validate_layout
 
     runnable = []
     for schedule in args.schedule_list:

@@ -30,7 +30,7 @@ def sync():
 def _layout_key(args):
     """What the process groups depend on: the sizes, and where the exact exchange relays
     through nodes (node_relay.build makes its groups with the others)."""
-    from parm_trainer.moe import node_relay
+    from parm_trainer import node_relay
 
     per_node = node_relay.ranks_per_node(args)
     return (args.tensor_model_parallel_size, args.expert_model_parallel_size,

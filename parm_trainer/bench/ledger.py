@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from parm_trainer.bench.results import KINDS
-from parm_trainer.moe.node_relay import node_of_rank as node_of
+from parm_trainer.node_relay import node_of_rank as node_of
 
 
 def snapshot(field="sent"):

@@ -2,7 +2,7 @@
 
 The median of --iters iterations after --warmup, per rank, each iteration started by a barrier
 on all ranks (untimed; torch.cuda.synchronize on GPU), the schedules' iterations interleaved
-as auto's start-up measurement interleaves its candidates (moe/tune.py's interleaved_times:
+as auto's start-up measurement interleaves its candidates (schedule/tune.py's interleaved_times:
 every schedule's warm-up first, then one of each in turn, so a drift of the machine's speed
 touches all alike, each turn in an order of its own, so none always follows the same one):
 forward, backward and their sum per iteration, reported for rank 0 and as the max over ranks.
@@ -20,7 +20,7 @@ import torch
 
 from parm_trainer.bench.layout import sync
 from parm_trainer.bench.replica import clear_tracker
-from parm_trainer.moe.tune import interleaved_times
+from parm_trainer.schedule.tune import interleaved_times
 
 
 def median(values):

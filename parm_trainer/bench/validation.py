@@ -15,8 +15,8 @@ import numpy as np
 
 from parm_trainer.bench.cost_fit import fit_plans, layer_shape
 from parm_trainer.bench.results import total_ms
-from parm_trainer.moe.cost_model import (LAYER_KEYS, Profile, choose_schedule, plan_cost,
-                                         shape_plan)
+from parm_trainer.moe.cost_model import choose_schedule, plan_cost, shape_plan
+from parm_trainer.moe.cost_profile import LAYER_KEYS, Profile
 
 SCHEDULES = ("baseline", "s1", "s2")
 PIPELINED = ("s1", "s2")

@@ -20,12 +20,11 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import DType
 from megatron.core.datasets.utils import Split, get_blend_from_list
+from parm_trainer.errors import DataError
 
 PREPROCESS_HINT = "re-run tools/preprocess_data.py"
 
 
-class DataError(ValueError):
-    """A dataset that is missing, corrupt or too small; the message names the file or flag."""
 # The .idx layout: magic, version (uint64), token dtype code (uint8), sequence
 # count and document count (uint64 each), then int32 sequence lengths, int64
 # sequence byte offsets into the .bin, int64 document boundaries.

@@ -12,6 +12,7 @@ import os
 
 import sentencepiece
 from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
+from parm_trainer.errors import TokenizerError
 
 BERT_SYMBOLS = ("[CLS]", "[SEP]", "[MASK]")
 RETRAIN_HINT = "retrain it with tools/train_tokenizer.py"
@@ -134,8 +135,6 @@ class SentencePieceTokenizer(MegatronLegacyTokenizer):
 TOKENIZERS = {"SentencePieceTokenizer": SentencePieceTokenizer}
 
 
-class TokenizerError(ValueError):
-    """An unsupported --tokenizer-type, or a --tokenizer-model that does not load."""
 
 
 def build_tokenizer(tokenizer_type: str, tokenizer_model: str):

@@ -29,7 +29,8 @@ from megatron.core.transformer.moe.moe_utils import get_capacity, router_gating_
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import build_module
 
-from parm_trainer.moe import comm, node_relay, shared_expert, step_timing
+from parm_trainer import node_relay
+from parm_trainer.moe import comm, shared_expert, step_timing
 from parm_trainer.moe.aux_loss import DeferringRouter
 from parm_trainer.moe.exchange import Routed, exchange, route
 from parm_trainer.moe.forced_routing import ForcedLogits

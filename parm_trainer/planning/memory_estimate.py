@@ -24,21 +24,21 @@ the framework itself (CUDA context, allocator caching, on CPU the interpreter an
 
 from __future__ import annotations
 
-from parm_trainer.moe.cost_model import DEFAULT_PROFILE
+from parm_trainer.moe.cost_profile import DEFAULT_PROFILE
 from parm_trainer.planning.model_cost import ModelCost
 from parm_trainer.planning.stages import predict
-from parm_trainer.training import microbatch_overlap
+from parm_trainer.planning.paired_microbatches import in_flight
 
 MIB = 2 ** 20
 
 
 def stage_runs(args, pieces: list) -> list:
     """The pieces of each model chunk, in megatron's chunk order, under the run's layout."""
-    from parm_trainer.pipeline_layout import chunks_of
+    from parm_trainer.planning.layout import chunks_of
 
     pp = args.pipeline_model_parallel_size
     runs = []
-    for chunk in chunks_of(args.pipeline_stages, pp):  # set by pipeline_layout.check_pipeline
+    for chunk in chunks_of(args.pipeline_stages, pp):  # set by layout.check_pipeline
         run = [pieces[0]] if chunk.embedding else []
         run += [pieces[1 + layer] for layer in chunk.layers]
         runs.append(run + ([pieces[-1]] if chunk.loss else []))
@@ -58,7 +58,7 @@ def estimate(args, profile=None) -> tuple:
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
     predicted = predict(runs, cost, pp, vp, microbatches, tied)
     ranks = predicted["ranks"]
-    paired = microbatch_overlap.in_flight(args, microbatches)  # 1 with pipeline stages
+    paired = in_flight(args, microbatches)  # 1 with pipeline stages
     for rank in ranks:  # --overlap-moe-expert-parallel-comm holds a pair at once
         extra = (paired - 1) * rank["activation_bytes"] / rank["in_flight"]
         rank["in_flight"] *= paired

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from parm_trainer.moe.cost_model import Profile, plan_cost, sent_bytes, shape_plan
+from parm_trainer.moe.cost_model import CHUNK_CHOICES, plan_cost, sent_bytes, shape_plan
+from parm_trainer.moe.cost_profile import Profile
 from parm_trainer.moe.link_sharing import link_flows
 
 
@@ -141,7 +142,7 @@ class ModelCost:
     def moe_mlp(self) -> tuple:
         """(forward, backward, expert params, router params) of the MoE MLP: the plan cost of
         the schedule auto would pick (the cheaper of s1 and s2 over depths 1-8) on this shape."""
-        from parm_trainer.moe.auto import CHUNK_CHOICES, layer_shape
+        from parm_trainer.moe.cost_shape import layer_shape
 
         a = self.args
         shape = replace(layer_shape(a, per_node=self.profile.gpus_per_node),

@@ -3,7 +3,7 @@
 A layout is TP (inside a node), EP, ESP, PP, V (virtual stages per rank), DP (what is left),
 the MoE schedule and depth (the cheapest s1/s2 and r the cost model finds for it) and the
 stages (stages.split, under the memory limit). Each candidate's flags go through the project's
-own checks (arguments.parse_args and parallel.validate_layout, with PP checked here since the
+own checks (arguments.parse_args and planning/checks.validate_layout, with PP checked here since the
 stage builder need not split layers evenly), so a ranked layout is one that runs.
 """
 
@@ -13,9 +13,9 @@ import copy
 from dataclasses import dataclass
 
 from parm_trainer.models.config import padded_vocab_size
-from parm_trainer.pipeline_layout import STAGE_FLAGS
+from parm_trainer.planning.layout import STAGE_FLAGS
 from parm_trainer.planning.model_cost import ModelCost
-from parm_trainer.planning.stages import (LayoutError, in_flight, layout_string, predict,
+from parm_trainer.planning.stages import (NoSplitFits, in_flight, layout_string, predict,
                                           split)
 
 
@@ -54,7 +54,8 @@ def candidates(args, profile, nodes: int, gpus_per_node: int, vocab: int,
     """Every layout that runs args' model on nodes x gpus_per_node ranks, fastest first;
     layouts over memory_limit_bytes per rank are left out."""
     from parm_trainer.arguments import ArgumentsError
-    from parm_trainer.parallel import LayoutError as FlagError, validate_layout
+    from parm_trainer.errors import LayoutError as FlagError
+    from parm_trainer.planning.checks import validate_layout
 
     world = nodes * gpus_per_node
     found = []
@@ -97,7 +98,7 @@ def _priced(trial, profile, tp, ep, esp, pp, vp, dp, memory_limit_bytes) -> list
         pieces = cost.pieces()
         microbatches = trial.global_batch_size // (trial.micro_batch_size * dp)
         runs = split(pieces, pp * vp, cost, in_flight(pp, vp, microbatches), memory_limit_bytes)
-    except (LayoutError, ValueError):
+    except (NoSplitFits, ValueError):
         return []
     result = predict(runs, cost, pp, vp, microbatches)
     ranks = result["ranks"]

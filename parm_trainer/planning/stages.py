@@ -30,7 +30,7 @@ from parm_trainer.planning.model_cost import ModelCost
 from parm_trainer.planning.pipeline_sim import one_f_one_b, table, warmup
 
 
-class LayoutError(ValueError):
+class NoSplitFits(ValueError):
     """No split meets the constraints; the message says which."""
 
 
@@ -63,7 +63,7 @@ def split(pieces: list, stages: int, cost: ModelCost, in_flight: list = None,
     memory_limit_bytes with in_flight[k] micro-batches' activations on run k."""
     n = len(pieces)
     if stages > n:
-        raise LayoutError(f"{stages} pipeline stages for {n - 2} decoder layers plus the "
+        raise NoSplitFits(f"{stages} pipeline stages for {n - 2} decoder layers plus the "
                           "embedding and the output layer: at most one stage per piece")
     in_flight = in_flight or [1] * stages
     times = [0.0]
@@ -91,7 +91,7 @@ def split(pieces: list, stages: int, cost: ModelCost, in_flight: list = None,
                 if value < best[k][j]:
                     best[k][j], cut[k][j] = value, i
     if best[stages][n] == inf:
-        raise LayoutError(f"no split into {stages} stages fits the memory limit of "
+        raise NoSplitFits(f"no split into {stages} stages fits the memory limit of "
                           f"{memory_limit_bytes / 2**30:.3g} GiB per rank")
     runs, j = [], n
     for k in range(stages, 0, -1):
@@ -106,7 +106,7 @@ def even_split(pieces: list, stages: int) -> list:
     last."""
     layers = pieces[1:-1]
     if len(layers) % stages:
-        raise LayoutError(f"{len(layers)} layers do not split evenly into {stages} stages")
+        raise NoSplitFits(f"{len(layers)} layers do not split evenly into {stages} stages")
     size = len(layers) // stages
     runs = [layers[k * size:(k + 1) * size] for k in range(stages)]
     runs[0] = [pieces[0], *runs[0]]
@@ -269,7 +269,7 @@ def auto_layout(args, log=print) -> str:
     """--pipeline-model-parallel-layout auto: the split of least predicted iteration time for
     args' model, PP and virtual stages, priced with --moe-parm-cost-profile (or the built-in
     default profile); logs the layout and each stage's predicted time and memory."""
-    from parm_trainer.moe.auto import load_profile, profile_source
+    from parm_trainer.moe.cost_profile import load_profile, profile_source
 
     profile = load_profile(args)
     cost = ModelCost(args, profile)

@@ -12,14 +12,13 @@ import json
 import os
 import re
 from typing import Callable, Optional
+from parm_trainer.errors import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 DESCRIPTION = "run.json"
 TOKENIZER = "tokenizer.model"
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, unreadable or does not fit the model."""
 
 
 def iteration_dir(root: str, iteration: int) -> str:

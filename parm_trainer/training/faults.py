@@ -24,13 +24,12 @@ import os
 import signal
 from dataclasses import dataclass
 from typing import Optional
+from parm_trainer.errors import FaultSpecError
 
 KINDS = ("kill", "hang", "kill-in-save", "nan")
 SAVE_PHASES = ("write", "rename", "renamed", "tracker")
 
 
-class FaultSpecError(ValueError):
-    """PARM_FAULT that cannot be read; the message names the part."""
 
 
 @dataclass(frozen=True)

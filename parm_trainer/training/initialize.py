@@ -14,20 +14,20 @@ import time
 
 import torch
 
-from parm_trainer import error_line, pipeline_layout
-from parm_trainer.arguments import ArgumentsError, parse_args
+from parm_trainer import error_line
+from parm_trainer.arguments import parse_args
 from parm_trainer.compat import cpu
-from parm_trainer.data.tokenizer import TokenizerError, build_tokenizer
+from parm_trainer.data.tokenizer import build_tokenizer
+from parm_trainer.errors import USER_ERRORS, InputError, LayoutError
 from parm_trainer.models.config import padded_vocab_size
-from parm_trainer.moe.auto import resolve_auto_schedule
-from parm_trainer.moe.cost_model import ProfileError
-from parm_trainer.moe.tune import tune_at_startup
-from parm_trainer.parallel import LayoutError, initialize_distributed, validate_layout
+from parm_trainer.parallel import initialize_distributed
+from parm_trainer.planning import layout as pipeline_layout
+from parm_trainer.planning.checks import validate_layout
+from parm_trainer.schedule.auto import resolve_auto_schedule
+from parm_trainer.schedule.tune import tune_at_startup
 from parm_trainer.training import faults
 
 
-class InputError(ValueError):
-    """A flag or input file that cannot work; the message names it."""
 
 
 def _check_inputs(args) -> None:
@@ -77,7 +77,7 @@ def initialize(argv=None, extra_args_provider=None, check_inputs=None):
     if check_inputs is not None:
         check_inputs(args)
     cpu.apply()
-    initialize_distributed(args)
+    initialize_distributed(args, stages=pipeline_layout.recorded_stages(args))
     _report_modules(args)
     _report_relay()
     _report_groups(args)
@@ -94,7 +94,7 @@ def _report_modules(args) -> None:
 
 
 def _report_relay() -> None:
-    from parm_trainer.moe import node_relay
+    from parm_trainer import node_relay
 
     relay = node_relay.current()
     if relay is not None:
@@ -105,7 +105,7 @@ def _report_relay() -> None:
 
 
 def _report_groups(args) -> None:
-    from parm_trainer.moe import node_relay
+    from parm_trainer import node_relay
 
     note = node_relay.group_limit_note(args, node_relay.ranks_per_node())
     if note is not None:
@@ -116,7 +116,7 @@ def report_memory(args) -> None:
     """The start-up memory estimate per pipeline rank (args.memory_estimate:
     memory_estimate.estimate's entries), checked against --memory-gb on every rank before any
     communication."""
-    from parm_trainer.moe.auto import load_profile, profile_source
+    from parm_trainer.moe.cost_profile import load_profile, profile_source
     from parm_trainer.planning.memory_estimate import describe, describe_times, estimate
 
     profile = load_profile(args)
@@ -156,14 +156,7 @@ def user_errors(*extra_types):
     A collective that fails because a peer stopped or died ends the job as the watchdog does,
     with its line naming the silent rank. Anything else keeps its traceback.
     """
-    from parm_trainer.data.gpt_datasets import DataError
-    from parm_trainer.training.checkpointing import CheckpointError
-    from parm_trainer.training.loop import NonFiniteLossError
-
-    known = (ArgumentsError, LayoutError, InputError, CheckpointError, DataError, NonFiniteLossError,
-             ProfileError, faults.FaultSpecError, TokenizerError,
-             FileNotFoundError,
-             *extra_types)
+    known = (*USER_ERRORS, *extra_types)
     try:
         yield
     except known as error:

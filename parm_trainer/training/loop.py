@@ -35,14 +35,13 @@ from parm_trainer.training.expert_tokens import ExpertTokenCounter, format_exper
 from parm_trainer.training.flops import flops_per_iteration
 from parm_trainer.training.logger import MetricsLogger, print_rank_0, print_rank_last
 from parm_trainer.training.setup import build_model, build_optimizer, wire_config
+from parm_trainer.errors import NonFiniteLossError
 
 MOE_LOSS_NAMES = ("load_balancing_loss", "seq_load_balancing_loss",
                   "global_load_balancing_loss", "z_loss")
 PER_LAYER = "moe losses per layer"  # --moe-per-layer-logging: {name: [each layer's value]}
 
 
-class NonFiniteLossError(FloatingPointError):
-    """The loss became NaN or infinite; raised on every rank before the optimizer step."""
 
 
 def _reduce_losses(losses: list, names: tuple) -> dict:

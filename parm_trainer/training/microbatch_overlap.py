@@ -35,30 +35,9 @@ from megatron.core.pipeline_parallel.schedules import backward_step, forward_ste
 from megatron.core.utils import get_model_config, get_model_type
 
 from parm_trainer.moe.turns import Turns
+from parm_trainer.planning.paired_microbatches import IN_FLIGHT, not_applied  # noqa: F401
 
-IN_FLIGHT = 2
 _TURNS = Turns(IN_FLIGHT)  # its threads start at the first pair and are kept
-
-
-def not_applied(args, microbatches: int = None):
-    """Why --overlap-moe-expert-parallel-comm, given, does not apply to this run's training
-    (None where it does): it needs Parm's MoE layers (megatron's dispatcher waits in place, so
-    nothing would overlap), no pipeline stages and at least two micro-batches.
-    microbatches: per step (default: args.num_microbatches, which validation sets)."""
-    if not args.num_experts or args.moe_parm_schedule == "megatron":
-        return "no Parm MoE layers"
-    if args.pipeline_model_parallel_size > 1:
-        return "pipeline parallelism (megatron's 1F1B schedule runs)"
-    if (args.num_microbatches if microbatches is None else microbatches) < 2:
-        return "one micro-batch per step"
-    return None
-
-
-def in_flight(args, microbatches: int) -> int:
-    """Micro-batches the overlapped schedule holds at once: 2 where it applies, else 1 (with
-    pipeline stages megatron's schedule runs, whose count stages.predict makes)."""
-    overlap = getattr(args, "overlap_moe_expert_parallel_comm", False)
-    return IN_FLIGHT if overlap and not_applied(args, microbatches) is None else 1
 
 
 class _TurnTimers:

@@ -95,7 +95,7 @@ def _mode_line(head, mode, args, weights, replica, ref, gshard, sp):
 
 def check() -> int:
     from parm_trainer.compat import cpu
-    from parm_trainer.parallel import validate_layout
+    from parm_trainer.planning.checks import validate_layout
 
     cpu.apply()
     world = int(os.environ.get("WORLD_SIZE", "1"))

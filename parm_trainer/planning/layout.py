@@ -21,12 +21,11 @@ chunk and L close the last one.
 from __future__ import annotations
 
 import argparse
-import importlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 from parm_trainer.layer_pattern import moe_layer_pattern
-from parm_trainer.parallel import LayoutError
+from parm_trainer.errors import LayoutError
 
 LAYOUT = "--pipeline-model-parallel-layout"
 FIRST, LAST = "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"
@@ -275,18 +274,11 @@ def resolve_auto(args, log: Callable[[str], None]) -> None:
     (parm_trainer.planning.stages.auto_layout), checked like one given by hand."""
     if getattr(args, "pipeline_model_parallel_layout", None) != "auto":
         return
-    from parm_trainer.arguments import ArgumentsError
+    from parm_trainer.planning.stages import NoSplitFits, auto_layout
 
-    try:  # the module as sys.modules has it, imported now
-        builder = importlib.import_module("parm_trainer.planning.stages")
-        auto_layout = builder.auto_layout
-    except (ImportError, AttributeError) as error:
-        raise ArgumentsError(f"{LAYOUT} auto is not available in this installation "
-                             f"(parm_trainer.planning.stages.auto_layout: {error}); give a "
-                             f"layout string such as 'Ett|ttL'") from None
     try:
         layout = auto_layout(args, log=log)
-    except getattr(builder, "LayoutError", LayoutError) as error:  # no split fits
+    except NoSplitFits as error:
         raise LayoutError(f"{LAYOUT} auto: {error}") from None
     wanted = args.virtual_pipeline_model_parallel_size
     args.pipeline_model_parallel_layout, args.num_virtual_stages_per_pipeline_rank = layout, None

@@ -9,65 +9,16 @@ log says which was used and the predicted time of each candidate.
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
-from parm_trainer.moe import node_relay
-from parm_trainer.moe.cost_model import (DEFAULT_PROFILE, LayerShape, Profile, ProfileError,
-                                         price_schedules)
+from parm_trainer.planning.checks import local_first_applies
+from parm_trainer.moe.cost_model import CHUNK_CHOICES, price_schedules
+from parm_trainer.moe.cost_profile import load_profile, profile_source
+from parm_trainer.moe.cost_shape import layer_shape
 
 
-def layer_shape(args, per_node=None) -> LayerShape:
-    """The MoE layer of args' model on its layout; per_node: ranks per node (default: this
-    job's, node_relay.ranks_per_node), which decides whether the exact exchange relays."""
-    relay = node_relay.relay_size(args, per_node or node_relay.ranks_per_node(args))
-    return LayerShape(
-        tokens=args.seq_length * args.micro_batch_size, hidden=args.hidden_size,
-        ffn=args.moe_ffn_hidden_size, experts=args.num_experts, topk=args.moe_router_topk,
-        capacity_factor=args.moe_expert_capacity_factor, bytes_per_element=2 if args.bf16 else 4,
-        mp=args.tensor_model_parallel_size, ep=args.expert_model_parallel_size,
-        esp=args.expert_tensor_parallel_size, sequence_parallel=args.sequence_parallel,
-        chunks=args.moe_parm_chunks,
-        exact=args.moe_parm_exchange != "padded", gated=bool(getattr(args, "swiglu", False)),
-        relay=relay, local_first=bool(getattr(args, "moe_parm_local_first", False)),
-        shared_ffn=getattr(args, "moe_shared_expert_intermediate_size", None) or 0,
-        shared_overlap=bool(getattr(args, "moe_shared_expert_overlap", False)),
-        groups=getattr(args, "moe_router_num_groups", None) or 0,
-        group_topk=getattr(args, "moe_router_group_topk", None) or 0,
-        dp=args.world_size // (args.tensor_model_parallel_size
-                               * args.pipeline_model_parallel_size))
-
-
-def load_profile(args) -> Profile:
-    """--moe-parm-cost-profile, checked against this job (ProfileError), or the default."""
-    path = args.moe_parm_cost_profile
-    if not path:
-        return DEFAULT_PROFILE
-    if not os.path.isfile(path):
-        raise ProfileError(f"--moe-parm-cost-profile {path}: no such file")
-    profile = Profile.from_json(path)
-    if profile.world_size is not None and profile.world_size != args.world_size:
-        raise ProfileError(f"--moe-parm-cost-profile {path} was measured on {profile.world_size}"
-                           f" ranks, this job has {args.world_size}: calibrate on this layout "
-                           "(tools/calibrate_comm.py)")
-    return profile
-
-
-def profile_source(args, profile: Profile) -> str:
-    """How the log names the profile a prediction used."""
-    return args.moe_parm_cost_profile or f"the built-in default profile ({profile.description})"
-
-
-CHUNK_CHOICES = (1, 2, 4, 8)
 TUNE_DEPTHS = (1, 2, 4)
 LOCAL_FIRST_DEPTH = 2  # the depth at which start-up also times --moe-parm-local-first
-
-
-def local_first_applies(args) -> bool:
-    """Whether --moe-parm-local-first changes this job's exchange: exact and in one hop, with
-    an EP group to send to."""
-    return (args.expert_model_parallel_size > 1 and args.moe_parm_exchange != "padded"
-            and node_relay.relay_size(args, node_relay.ranks_per_node(args)) == 1)
 
 
 def weighed_depths(args, choices) -> list:

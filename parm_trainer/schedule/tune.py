@@ -30,8 +30,8 @@ import time
 import torch
 
 from parm_trainer import moe_flags
-from parm_trainer.moe import node_relay
-from parm_trainer.moe.auto import label
+from parm_trainer import node_relay
+from parm_trainer.schedule.auto import label
 from parm_trainer.parallel import rank_device
 
 WARMUP, ROUNDS = 1, 5
@@ -232,7 +232,8 @@ def _measure(args, candidates) -> tuple:
 
 def runnable_candidates(args) -> list:
     """Of args.moe_parm_tune_candidates, those validate_layout admits for this job."""
-    from parm_trainer.parallel import LayoutError, validate_layout
+    from parm_trainer.errors import LayoutError
+    from parm_trainer.planning.checks import validate_layout
 
     out = []
     for name, r, local in args.moe_parm_tune_candidates:
@@ -273,7 +274,7 @@ def tune_at_startup(args, log=print) -> None:
         return
     candidates = runnable_candidates(args)
     if not candidates:
-        from parm_trainer.parallel import LayoutError
+        from parm_trainer.errors import LayoutError
 
         raise LayoutError(f"--moe-parm-schedule {args.moe_parm_schedule}: none of "
                          f"{args.moe_parm_tune_candidates} can run this layout")

@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 DATA   := data/demo
 NPROC  ?= 4
 
-.PHONY: setup data data-bert demo demo-bert test clean-demo
+.PHONY: setup data data-bert demo demo-bert test test-fast clean-demo
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,10 @@ demo-bert: setup data-bert
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# the tests that start no process (marked in tests/conftest.py from their code): under a minute
+test-fast: setup
+	$(PY) -m pytest -q -m "not launches" tests
 
 clean-demo:
 	rm -rf $(DATA) runs/demo runs/demo_bert

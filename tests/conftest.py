@@ -317,3 +317,78 @@ def assert_clean_failure(run: Run, *needles):
         assert needle in lines[0], lines[0]
     # torchrun prints its own summary; the ranks themselves print no traceback
     assert "]: Traceback" not in run.output, run.output[-3000:]
+
+
+# --- the `launches` marker: tests that start processes, found from their code -------------------
+#
+# A test launches where its body, a helper of its module it calls (at any depth), or a fixture it
+# uses calls one of conftest's launchers or a subprocess function. `make test-fast` runs the
+# others (pytest -m "not launches").
+
+LAUNCHERS = {"launch", "torchrun", "launch_sh", "launch_sh_until", "run_rank_workers", "run_tool"}
+_LAUNCHING: dict = {}  # module file -> names of its functions that launch
+
+
+def _called(node) -> set:
+    """Names a function's body calls: f(...) as "f", subprocess.X(...) as "subprocess"."""
+    import ast
+
+    names = set()
+    for call in ast.walk(node):
+        if isinstance(call, ast.Call):
+            if isinstance(call.func, ast.Name):
+                names.add(call.func.id)
+            elif isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name):
+                names.add(call.func.value.id if call.func.value.id == "subprocess"
+                          else call.func.attr)
+    return names
+
+
+def _launching(path: str) -> set:
+    """The module's functions that launch (fixed point over its own helpers), and the names it
+    imports from other test modules that launch there."""
+    import ast
+
+    if path not in _LAUNCHING:
+        _LAUNCHING[path] = set()  # a cycle of imports between test modules ends here
+        tree = ast.parse(Path(path).read_text())
+        known = set(LAUNCHERS) | {"subprocess"}
+        for node in tree.body:  # helpers imported from another test module
+            if isinstance(node, ast.ImportFrom) and node.module and \
+                    (ROOT / "tests" / f"{node.module}.py").exists():
+                known |= {a.asname or a.name for a in node.names} & \
+                    _launching(str(ROOT / "tests" / f"{node.module}.py"))
+        functions = {n.name: _called(n) for n in tree.body
+                     if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        found, grew = set(), True
+        while grew:
+            grew = False
+            for name, calls in functions.items():
+                if name not in found and calls & (known | found):
+                    found.add(name)
+                    grew = True
+        _LAUNCHING[path] = found | (known - LAUNCHERS - {"subprocess"})
+    return _LAUNCHING[path]
+
+
+def _function_launches(function) -> bool:
+    import inspect
+
+    function = inspect.unwrap(function)
+    path = inspect.getsourcefile(function)
+    return bool(path) and path.startswith(str(ROOT / "tests")) and \
+        function.__name__ in _launching(path)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "launches: starts processes (found from the test's code; "
+                                       "make test-fast leaves these out)")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        fixtures = getattr(item, "_fixtureinfo", None)
+        defs = fixtures.name2fixturedefs.values() if fixtures else ()
+        if _function_launches(item.function) or any(_function_launches(d[-1].func)
+                                                    for d in defs if d):
+            item.add_marker(pytest.mark.launches)

@@ -3,23 +3,19 @@
 Every patch in parm_trainer/compat/cpu.py is checked twice:
 
 * still needed: megatron-core without the patch still fails on this machine. These checks run
-  in a fresh interpreter (one subprocess for all of them, `unpatched_failures`) or, for the
-  collectives, in a two-rank gloo launch (`two_rank_run`), so the test process stays patched.
+  in a fresh interpreter (tests/worker_compat_unpatched.py, one subprocess for all of them,
+  `unpatched_failures`) or, for the collectives, on two gloo ranks
+  (tests/test_compat_cpu_collectives.py), so the test process stays patched.
 * patched is right: after `cpu.apply()` the patched behaviour matches an independent reference.
 
 A patch that megatron-core no longer needs makes its "still needed" test fail: drop the patch
 (or the module from its list) together with the check.
-
-Over 500 lines on purpose: one pair of checks per patch, side by side, so that a patch and its
-two checks are read (and dropped) together, and the "still needed" checks share one subprocess.
 """
 
 import importlib
 import inspect
 import json
-import os
 import re
-import socket
 import subprocess
 import sys
 import types
@@ -65,6 +61,7 @@ COVERAGE = {
     "patch_split_sizes_to_numpy": (
         "test_split_sizes_to_numpy_still_needed",
         "test_split_sizes_to_numpy_patched",
+        "test_split_sizes_all_to_all_on_two_ranks",
     ),
     "patch_torch_norm_sequence_parallel": (
         "test_torch_norm_sequence_parallel_still_needed",
@@ -87,108 +84,13 @@ COVERAGE = {
 }
 
 
-# --- megatron-core without the patches: one fresh interpreter ---------------------------------
-
-UNPATCHED_PROBE = r'''
-import json, traceback, types, warnings
-warnings.simplefilter("ignore")
-import torch
-import torch.distributed as dist
-from megatron.core.optimizer import OptimizerConfig
-from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-from megatron.core.optimizer.optimizer import FP32Optimizer
-from megatron.core.tensor_parallel import random as mrandom
-from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.moe import moe_utils
-from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
-from megatron.core.transformer.utils import get_default_causal_mask
-from megatron.core.utils import GlobalMemoryBuffer, local_multi_tensor_l2_norm
-from parm_trainer.compat import cpu
-
-
-def failure(fn):
-    """'Type: message | megatron-core source line it failed at', or None when fn runs."""
-    try:
-        fn()
-    except Exception as exc:
-        frames = traceback.extract_tb(exc.__traceback__)
-        megatron = [f for f in frames if "/megatron/" in f.filename] or frames
-        return f"{type(exc).__name__}: {exc} | {megatron[-1].line}"
-    return None
-
-
-def fp32_param_with_grad():
-    param = torch.nn.Parameter(torch.ones(3))
-    param.grad = torch.ones(3)
-    return param
-
-
-def dispatcher_state():
-    """The attributes MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize reads."""
-    return types.SimpleNamespace(
-        drop_and_pad=False, cuda_dtoh_point="p", cuda_sync_point="p",
-        cuda_dtoh_stream=None, input_splits=torch.tensor([1, 2]),
-        output_splits=torch.tensor([2, 1]), output_splits_tp=None, num_out_tokens=3,
-        num_local_experts=1, config=types.SimpleNamespace(moe_permute_fusion=False),
-    )
-
-
-sp_config = TransformerConfig(
-    num_layers=1, hidden_size=8, num_attention_heads=2,
-    tensor_model_parallel_size=2, sequence_parallel=True,
-)
-errors = {
-    "rng_tracker_add": failure(lambda: mrandom.CudaRNGStatesTracker().add("probe", 1)),
-    "rng_manual_seed": failure(lambda: mrandom.model_parallel_cuda_manual_seed(
-        1, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True)),
-    "torch_norm_sequence_parallel": failure(lambda: WrappedTorchNorm(sp_config, 8)),
-    "current_device": failure(lambda: torch.cuda.current_device()),
-    "global_memory_buffer": failure(
-        lambda: GlobalMemoryBuffer().get_tensor((2,), torch.float, "probe")),
-    "stream": failure(lambda: torch.cuda.Stream()),
-    "event": failure(lambda: torch.cuda.Event()),
-    "synchronize": failure(lambda: torch.cuda.synchronize()),
-    "dtoh_and_synchronize": failure(lambda: MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize(
-        dispatcher_state(), "p")),
-    "causal_mask": failure(lambda: get_default_causal_mask(4)),
-    "fp32_optimizer": failure(lambda: FP32Optimizer(
-        torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1), OptimizerConfig(lr=0.1),
-        None)),
-    "l2_norm": failure(lambda: local_multi_tensor_l2_norm(1, None, [[torch.ones(2)]], False)),
-    "tensor_cuda": failure(lambda: torch.ones(2).cuda()),
-    "te_general_gemm": failure(lambda: moe_utils.RouterGatingLinearFunction.apply(
-        torch.ones(2, 4), torch.ones(3, 4), None, torch.float32)),
-    "grouped_gemm": failure(lambda: __import__(
-        "megatron.core.transformer.moe.grouped_gemm_util", fromlist=["x"]
-    ).assert_grouped_gemm_is_available()),
-    "clip_type_assert": failure(
-        lambda: clip_grad_by_total_norm_fp32([fp32_param_with_grad()], 1.0, 0.5)),
-}
-
-# The split sizes the dispatcher hands to all_to_all_single: streams and events patched (the
-# dispatcher needs them before it gets there), maybe_move_tensor_to_cpu not.
-cpu.patch_cuda_device_streams_events()
-state = dispatcher_state()
-state.cuda_dtoh_stream = torch.cuda.Stream()
-MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize(state, "p")
-dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-errors["all_to_all_split_sizes"] = failure(lambda: dist.all_to_all_single(
-    torch.empty(3), torch.ones(3), output_split_sizes=state.output_splits,
-    input_split_sizes=state.input_splits))
-dist.destroy_process_group()
-
-# A machine with CUDA: only the patch whose condition does not depend on CUDA applies.
-torch.cuda.is_available = lambda: True
-print(json.dumps({"errors": errors, "applied_with_cuda": cpu.apply()}))
-'''
 
 
 @pytest.fixture(scope="module")
 def unpatched_failures():
     """The probe's result: {"errors": {check: error or None}, "applied_with_cuda": [...]}."""
     proc = subprocess.run(
-        [sys.executable, "-c", UNPATCHED_PROBE],
+        [sys.executable, str(REPO / "tests" / "worker_compat_unpatched.py")],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -318,157 +220,17 @@ def test_rng_tracker_patched(patched):
             pass
 
 
-# --- patch_uneven_all_gather (and the real all_to_all path of patch_split_sizes_to_numpy) ---
 
-TWO_RANK_SCRIPT = r'''
-import json, sys, warnings
-warnings.simplefilter("ignore")
-import torch
-import torch.distributed as dist
-from megatron.core.tensor_parallel import mappings
-from megatron.core.transformer.moe import moe_utils
-from parm_trainer.compat import cpu
-
-SIZES = [3, 5]          # uneven first-dim pieces: rank 0 holds 3 rows, rank 1 holds 5
-A2A = [[1, 2], [3, 1]]  # A2A[src][dst]: rows rank src sends to rank dst
+# --- patch_split_sizes_to_numpy (its all_to_all on two ranks: test_compat_cpu_collectives.py) ----
 
 
-def piece(r):
-    return torch.arange(SIZES[r] * 2, dtype=torch.float).view(-1, 2) + 100 * (r + 1)
-
-
-def full(r):
-    return torch.arange(sum(SIZES) * 2, dtype=torch.float).view(-1, 2) * (r + 1) + r
-
-
-def a2a_input(r):
-    return torch.cat([torch.full((n, 2), 10.0 * r + dst) for dst, n in enumerate(A2A[r])])
-
-
-def outcome(fn, reference):
-    try:
-        result = fn()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "equal" if torch.equal(result, reference) else f"different: {result.tolist()}"
-
-
-dist.init_process_group("gloo")
-group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
-start = sum(SIZES[:rank])
-gather_ref = torch.cat([piece(r) for r in range(world)])
-scatter_ref = sum(full(r) for r in range(world))[start:start + SIZES[rank]]
-a2a_ref = torch.cat([a2a_input(src).split(A2A[src])[rank] for src in range(world)])
-out_splits = [A2A[src][rank] for src in range(world)]
-
-original_gather = mappings._gather_along_first_dim
-original_scatter = mappings._reduce_scatter_along_first_dim
-original_move = moe_utils.maybe_move_tensor_to_cpu
-cpu.patch_cuda_device_streams_events()  # the original paths need torch.cuda.current_device()
-result = {
-    "unpatched_gather": outcome(
-        lambda: original_gather(piece(rank), group, output_split_sizes=SIZES), gather_ref),
-    "unpatched_scatter": outcome(
-        lambda: original_scatter(full(rank), group, input_split_sizes=SIZES), scatter_ref),
-    "unpatched_all_to_all": outcome(lambda: mappings.all_to_all(
-        group, a2a_input(rank),
-        original_move(torch.tensor(out_splits), as_numpy=True),
-        original_move(torch.tensor(A2A[rank]), as_numpy=True)), a2a_ref),
-}
-
-result["applied"] = cpu.apply()
-result["gather"] = outcome(
-    lambda: mappings._gather_along_first_dim(piece(rank), group, output_split_sizes=SIZES),
-    gather_ref)
-result["scatter"] = outcome(
-    lambda: mappings._reduce_scatter_along_first_dim(full(rank), group, input_split_sizes=SIZES),
-    scatter_ref)
-result["gather_even"] = outcome(
-    lambda: mappings._gather_along_first_dim(full(rank), group),
-    torch.cat([full(r) for r in range(world)]))
-result["scatter_even"] = outcome(
-    lambda: mappings._reduce_scatter_along_first_dim(full(rank)[:4], group),
-    sum(full(r)[:4] for r in range(world))[2 * rank:2 * rank + 2])
-result["all_to_all"] = outcome(lambda: mappings.all_to_all(
-    group, a2a_input(rank),
-    moe_utils.maybe_move_tensor_to_cpu(torch.tensor(out_splits), as_numpy=True),
-    moe_utils.maybe_move_tensor_to_cpu(torch.tensor(A2A[rank]), as_numpy=True)), a2a_ref)
-
-# The MoE path: gather with uneven sizes forward, reduce-scatter of the gradient backward.
-x = piece(rank).requires_grad_()
-weight = torch.arange(sum(SIZES) * 2, dtype=torch.float).view(-1, 2)
-y = mappings.gather_from_sequence_parallel_region(x, group=group, output_split_sizes=SIZES)
-(y * weight).sum().backward()
-result["sequence_parallel_forward"] = (
-    "equal" if torch.equal(y.detach(), gather_ref) else f"different: {y.tolist()}")
-result["sequence_parallel_backward"] = (
-    "equal" if torch.equal(x.grad, world * weight[start:start + SIZES[rank]]) else
-    f"different: {x.grad.tolist()}")
-
-with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
-    json.dump(result, f)
-dist.destroy_process_group()
-'''
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def two_rank_run(tmp_path_factory):
-    """Run TWO_RANK_SCRIPT on two gloo ranks; its per-rank results."""
-    tmp = tmp_path_factory.mktemp("two_rank")
-    script = tmp / "two_rank.py"
-    script.write_text(TWO_RANK_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-         str(script), str(tmp)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
-
-
-def test_uneven_gather_still_needed(two_rank_run):
-    """megatron's uneven _gather_along_first_dim: gloo rejects pieces of different sizes."""
-    for rank in two_rank_run:
-        assert "ProcessGroupGloo::allgather: invalid tensor size" in rank["unpatched_gather"], (
-            f"uneven all_gather no longer fails on gloo: {rank['unpatched_gather']}"
-        )
-
-
-def test_uneven_reduce_scatter_works_unpatched(two_rank_run):
-    """Gloo handles megatron's uneven reduce-scatter itself, so cpu.py must leave it alone."""
-    for rank in two_rank_run:
-        assert rank["unpatched_scatter"] == "equal", rank["unpatched_scatter"]
-
-
-def test_uneven_gather_scatter_patched(two_rank_run):
-    """Patched, uneven and even gather / reduce-scatter match the hand-computed references."""
-    for rank in two_rank_run:
-        assert "patch_uneven_all_gather" in rank["applied"]
-        for check in ("gather", "scatter", "gather_even", "scatter_even",
-                      "sequence_parallel_forward", "sequence_parallel_backward"):
-            assert rank[check] == "equal", f"{check}: {rank[check]}"
-
-
-# --- patch_split_sizes_to_numpy ---------------------------------------------------------------
-
-
-def test_split_sizes_to_numpy_still_needed(unpatched_failures, two_rank_run):
+def test_split_sizes_to_numpy_still_needed(unpatched_failures):
     """The dispatcher's split sizes stay tensors on CPU and all_to_all_single rejects them."""
     assert_fails(unpatched_failures, "all_to_all_split_sizes", "TypeError", "all_to_all_single")
-    for rank in two_rank_run:
-        assert rank["unpatched_all_to_all"].startswith("TypeError"), rank["unpatched_all_to_all"]
 
 
-def test_split_sizes_to_numpy_patched(patched, two_rank_run):
-    """maybe_move_tensor_to_cpu gives numpy split sizes; all_to_all then moves the right rows."""
+def test_split_sizes_to_numpy_patched(patched):
+    """maybe_move_tensor_to_cpu gives numpy split sizes, and the dispatcher keeps them."""
     splits = torch.tensor([3, 0, 5])
     as_numpy = moe_utils.maybe_move_tensor_to_cpu(splits, as_numpy=True)
     assert isinstance(as_numpy, np.ndarray) and as_numpy.tolist() == [3, 0, 5]
@@ -486,8 +248,6 @@ def test_split_sizes_to_numpy_patched(patched, two_rank_run):
     assert out is tokens_per_expert
     assert isinstance(state.input_splits, np.ndarray) and state.input_splits.tolist() == [1, 2]
     assert isinstance(state.output_splits, np.ndarray) and state.output_splits.tolist() == [2, 1]
-    for rank in two_rank_run:
-        assert rank["all_to_all"] == "equal", rank["all_to_all"]
 
 
 # --- patch_torch_norm_sequence_parallel -------------------------------------------------------
@@ -711,7 +471,9 @@ def test_apply_with_cuda_available(unpatched_failures, monkeypatch):
 def test_every_patch_is_covered():
     """Each entry of PATCHES has its tests here, and each of those tests exists."""
     assert set(COVERAGE) == {patch.__name__ for patch, _ in cpu.PATCHES}
-    defined = {name for name, obj in globals().items() if name.startswith("test_")}
+    import test_compat_cpu_collectives as on_two_ranks
+
+    defined = {name for name in [*globals(), *vars(on_two_ranks)] if name.startswith("test_")}
     for patch, tests in COVERAGE.items():
         missing = set(tests) - defined
         assert not missing, f"{patch}: {missing}"

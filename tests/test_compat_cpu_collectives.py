@@ -1,0 +1,75 @@
+"""parm_trainer/compat/cpu.py's collective patches on two gloo ranks (one torchrun launch of
+tests/worker_compat_two_ranks.py): megatron-core's uneven all-gather still fails on gloo
+unpatched and matches hand-computed references patched; its uneven reduce-scatter needs no
+patch; the dispatcher's all_to_all with tensor split sizes fails unpatched and moves the right
+rows patched. The single-process checks of the same patches: tests/test_compat_cpu.py.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="cpu.apply() leaves megatron-core untouched where CUDA runs"
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    """worker_compat_two_ranks.py on two gloo ranks; its per-rank results."""
+    tmp = tmp_path_factory.mktemp("two_rank")
+    script = REPO / "tests" / "worker_compat_two_ranks.py"
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+         str(script), str(tmp)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_uneven_gather_still_needed(two_rank_run):
+    """megatron's uneven _gather_along_first_dim: gloo rejects pieces of different sizes."""
+    for rank in two_rank_run:
+        assert "ProcessGroupGloo::allgather: invalid tensor size" in rank["unpatched_gather"], (
+            f"uneven all_gather no longer fails on gloo: {rank['unpatched_gather']}"
+        )
+
+
+def test_uneven_reduce_scatter_works_unpatched(two_rank_run):
+    """Gloo handles megatron's uneven reduce-scatter itself, so cpu.py must leave it alone."""
+    for rank in two_rank_run:
+        assert rank["unpatched_scatter"] == "equal", rank["unpatched_scatter"]
+
+
+def test_uneven_gather_scatter_patched(two_rank_run):
+    """Patched, uneven and even gather / reduce-scatter match the hand-computed references."""
+    for rank in two_rank_run:
+        assert "patch_uneven_all_gather" in rank["applied"]
+        for check in ("gather", "scatter", "gather_even", "scatter_even",
+                      "sequence_parallel_forward", "sequence_parallel_backward"):
+            assert rank[check] == "equal", f"{check}: {rank[check]}"
+
+
+def test_split_sizes_all_to_all_on_two_ranks(two_rank_run):
+    """patch_split_sizes_to_numpy: all_to_all_single refuses the dispatcher's tensor split
+    sizes unpatched, and patched moves the right rows."""
+    for rank in two_rank_run:
+        assert rank["unpatched_all_to_all"].startswith("TypeError"), rank["unpatched_all_to_all"]
+        assert rank["all_to_all"] == "equal", rank["all_to_all"]

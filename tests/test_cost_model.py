@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from parm_trainer.errors import ProfileError
-from parm_trainer.moe.cost_model import choose_schedule, pipeline_s, plan_cost, step_load, walk
+from parm_trainer.moe.cost_model import choose_schedule, exchange_s, plan_cost, step_load, walk
 from parm_trainer.moe.cost_profile import DEFAULT_PROFILE, KINDS, Profile, fit_alpha_beta
 from parm_trainer.moe.cost_shape import LayerShape, remote_share
 from parm_trainer.moe.schedules import build_plan
@@ -66,7 +66,7 @@ def test_s1_bytes():
         ("split_tokens[mp]", {}, {"allgather/mp": 16384}),
         ("gate[mp]", {"allreduce/mp": 32}, {"allreduce/mp": 1024}),
         ("dispatch", {}, {}),
-        ("pipeline[ep,esp]", exchange, exchange),
+        ("exchange[ep,esp]", exchange, exchange),
         ("combine", {}, {}),
         ("gather_tokens[mp]", {"allgather/mp": 16384}, {})]
     # under sequence parallelism tokens arrive split: no MP gather, the same exchange
@@ -80,11 +80,11 @@ def test_s2_bytes():
     # (backward: each MP rank keeps its block, then the AlltoAll); the backward of
     # split_capacity is the MP AllGather of the (E, 32, M) piece, 32768.
     s1 = dict((step, (f, b)) for step, f, b in step_bytes("s1"))
-    forward, backward = s1["pipeline[ep,esp]"]
+    forward, backward = s1["exchange[ep,esp]"]
     assert step_bytes("s2") == [
         ("gate", {}, {}), ("dispatch", {}, {}),
         ("split_capacity[mp]", {}, {"allgather/mp": 32768}),
-        ("pipeline[ep,esp,mp]", {**forward, "allgather/mp": 32768}, backward),
+        ("exchange[ep,esp,mp]", {**forward, "allgather/mp": 32768}, backward),
         ("combine", {}, {})]
 
 
@@ -117,9 +117,9 @@ def test_expert_flops_and_capacity_state():
     # s1's exchange holds 32 slots and gathers them over ESP = 2 for the expert: 64 slots, the
     # same rows and flops as the baseline
     held = dict((str(step), h) for step, h in walk(build_plan("s1", False), SHAPE))
-    assert held["pipeline[ep,esp]"].capacity == 32 and held["gate[mp]"].tokens == 64
+    assert held["exchange[ep,esp]"].capacity == 32 and held["gate[mp]"].tokens == 64
     rows = plan_cost(build_plan("s1", False), SHAPE, DEFAULT_PROFILE)["steps"]
-    assert rows[3]["step"] == "pipeline[ep,esp]" and rows[3]["flops"] == 2 * 256 * 64 * 64 * 2
+    assert rows[3]["step"] == "exchange[ep,esp]" and rows[3]["flops"] == 2 * 256 * 64 * 64 * 2
     # dropless: the expected largest of E = 8 loads ~ N(12.5, 3.31^2): z(8) = 1.43 -> 17.2 ->
     # 18, rounded up to MP = 4 where the plan splits it
     dropless = LayerShape(tokens=100, hidden=8, ffn=8, experts=8, topk=1, capacity_factor=None,
@@ -171,7 +171,7 @@ def test_one_piece_exchange_is_the_sum_of_its_collectives():
     prof = profile(intra_beta=1e-9, inter_beta=1e-8)
     expected = 2 * 16384 * 1e-8 + 2 * 32768 * 1e-9
     row = plan_cost(build_plan("s1", False), SHAPE, prof)["steps"][3]
-    assert row["step"] == "pipeline[ep,esp]"
+    assert row["step"] == "exchange[ep,esp]"
     assert row["forward_s"] == pytest.approx(expected)
     assert row["backward_s"] == pytest.approx(expected)
     # in 4 pieces the AlltoAlls stream back to back and the ESP work hides under them: the
@@ -271,7 +271,7 @@ def test_alltoall_across_nodes_pays_the_network_rate_only_for_remote_peers():
     assert profile.price("alltoall", two, "ep") == profile.collectives["alltoall"]["intra"]
     # in a plan: s1's exchange (ESP 1: AlltoAll out and back, no compute priced) pays that
     row = plan_cost(build_plan("s1", False), shape, profile)["steps"][3]
-    assert row["step"] == "pipeline[ep,esp]"
+    assert row["step"] == "exchange[ep,esp]"
     sent = row["forward_bytes"]["alltoall/ep"] / 2
     assert sent > 0 and row["forward_bytes"] == row["backward_bytes"] == {"alltoall/ep": 2 * sent}
     assert row["forward_s"] == row["backward_s"] == pytest.approx(2 * (alpha + sent * beta * 2 / 3))
@@ -418,21 +418,21 @@ def test_simulate_cluster_small_grid(tmp_path, capsys):
 
 
 def test_pipeline_formula():
-    """pipeline_s with per-chunk (alpha, transfer) streams: r = 1 is the sum; streamed
+    """exchange_s with per-chunk (alpha, transfer) streams: r = 1 is the sum; streamed
     AlltoAlls pay one latency; main work no longer than the link's hides behind it."""
     none = (0.0, 0.0)
-    assert pipeline_s((0.1, 1.0), 1.0, (0.1, 1.0), (0.05, 0.5), 1) == pytest.approx(3.75)
+    assert exchange_s((0.1, 1.0), 1.0, (0.1, 1.0), (0.05, 0.5), 1) == pytest.approx(3.75)
     # totals: out 1, back 1, main 1, in 4 pieces: the link is busy 2 s, the main work hides
-    assert pipeline_s((0.0, 0.25), 0.25, (0.0, 0.25), none, 4) == pytest.approx(2.0)
+    assert exchange_s((0.0, 0.25), 0.25, (0.0, 0.25), none, 4) == pytest.approx(2.0)
     # a latency: the outbound stream pays it once; the returns queue behind a busy link
-    assert pipeline_s((0.1, 0.25), 0.25, (0.1, 0.25), none, 4) == pytest.approx(2.1)
+    assert exchange_s((0.1, 0.25), 0.25, (0.1, 0.25), none, 4) == pytest.approx(2.1)
     # compute-bound: main 4 s in total; the first outbound and the last return stick out
-    assert pipeline_s((0.0, 0.25), 1.0, (0.0, 0.25), none, 4) == pytest.approx(0.25 + 4.0 + 0.25)
+    assert exchange_s((0.0, 0.25), 1.0, (0.0, 0.25), none, 4) == pytest.approx(0.25 + 4.0 + 0.25)
     # two lanes (gloo): the two outbound pieces share the link and land together at 1 s, so
     # nothing overlaps the first piece's work (one lane: 0.5 s sooner); r = 1 is unchanged
-    assert pipeline_s((0.0, 0.5), 0.5, (0.0, 0.5), none, 2, lanes=1) == pytest.approx(2.0)
-    assert pipeline_s((0.0, 0.5), 0.5, (0.0, 0.5), none, 2, lanes=2) == pytest.approx(2.5)
-    assert pipeline_s((0.1, 1.0), 1.0, (0.1, 1.0), (0.05, 0.5), 1, lanes=2) == \
+    assert exchange_s((0.0, 0.5), 0.5, (0.0, 0.5), none, 2, lanes=1) == pytest.approx(2.0)
+    assert exchange_s((0.0, 0.5), 0.5, (0.0, 0.5), none, 2, lanes=2) == pytest.approx(2.5)
+    assert exchange_s((0.1, 1.0), 1.0, (0.1, 1.0), (0.05, 0.5), 1, lanes=2) == \
         pytest.approx(3.75)
 
 
@@ -442,7 +442,7 @@ def test_pipelined_plans_move_the_same_bytes(name, group):
     records the same), and with the collectives costing more than the expert it is priced
     below one piece."""
     plan = build_plan(name, False)
-    assert f"pipeline[{group}]" in [str(s) for s in plan.steps]
+    assert f"exchange[{group}]" in [str(s) for s in plan.steps]
     prof = profile(alpha=1e-6, compute=(1e-6, 1e-12))
     a, b = plan_cost(plan, replace(SHAPE, chunks=4), prof), plan_cost(plan, SHAPE, prof)
     assert a["bytes"] == b["bytes"]

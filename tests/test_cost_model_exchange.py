@@ -26,7 +26,7 @@ def test_every_expert_gemm_pays_the_compute_alpha():
 
     def exchange_s(r):
         cost = plan_cost(build_plan("s1", False), replace(shape, chunks=r), prof)
-        row, = [row for row in cost["steps"] if row["step"].startswith("pipeline")]
+        row, = [row for row in cost["steps"] if row["step"].startswith("exchange")]
         return row["forward_s"], row["backward_s"]
 
     for r in (1, 2, 4):
@@ -60,7 +60,7 @@ def test_relayed_exchange_rows_and_bytes():
                                                abs=0.01)
     assert relayed.node_hit() < 2 * relayed.ep_hit()
     m, per_rank, per_node = 64, 256 * one_hop.ep_hit(), 256 * relayed.node_hit()
-    fwd, bwd = {s: (f, b) for s, f, b in step_bytes("s1", relayed)}["pipeline[ep,esp]"]
+    fwd, bwd = {s: (f, b) for s, f, b in step_bytes("s1", relayed)}["exchange[ep,esp]"]
     assert fwd["alltoall/ep_link"] == pytest.approx(per_node * (m + 4) * 4 + per_node * m * 4,
                                                     abs=2)
     # the relay forwards to its node's other rank that rank's rows from both senders at its
@@ -68,7 +68,7 @@ def test_relayed_exchange_rows_and_bytes():
     assert fwd["alltoall/ep_node"] == pytest.approx(2 * per_rank * (m + 2) * 4
                                                     + 2 * per_rank * m * 4, abs=2)
     assert bwd == fwd and "alltoall/ep" not in fwd
-    direct, _ = {s: (f, b) for s, f, b in step_bytes("s1", one_hop)}["pipeline[ep,esp]"]
+    direct, _ = {s: (f, b) for s, f, b in step_bytes("s1", one_hop)}["exchange[ep,esp]"]
     link_share = 2 / 3  # of the one hop's AlltoAll bytes, those to the other node's 2 ranks
     assert fwd["alltoall/ep_link"] < link_share * direct["alltoall/ep"]
 
@@ -115,32 +115,32 @@ def test_exact_exchange_bytes():
     shape = replace(SHAPE, capacity_factor=None, exact=True, sequence_parallel=True)
     hit = 1 - math.comb(2, 2) / math.comb(4, 2)  # 5/6: a top-2 token misses 2 of 4 experts
     rows, m, local = 64 * hit, 64, 2  # per EP destination, N/G = 64 tokens per MP rank
-    exchange = {s: (f, b) for s, f, b in step_bytes("s1", shape, True)}["pipeline[ep,esp]"]
+    exchange = {s: (f, b) for s, f, b in step_bytes("s1", shape, True)}["exchange[ep,esp]"]
     fwd, bwd = exchange
     assert fwd["alltoall/ep"] == pytest.approx(rows * (m + local) * 4 + rows * m * 4, abs=2)
     assert bwd["alltoall/ep"] == pytest.approx(fwd["alltoall/ep"])
     assert fwd["allgather/esp"] == pytest.approx(2 * rows * (m + local) * 4, abs=2)
     assert fwd["reducescatter/esp"] == pytest.approx(2 * rows * m * 4, abs=2)
     padded = dict((s, (f, b)) for s, f, b in step_bytes("s1", replace(shape, exact=False),
-                                                         True))["pipeline[ep,esp]"]
+                                                         True))["exchange[ep,esp]"]
     assert fwd["alltoall/ep"] < padded[0]["alltoall/ep"]
-    s2 = dict((s, (f, b)) for s, f, b in step_bytes("s2", shape, True))["pipeline[ep,esp,mp]"]
+    s2 = dict((s, (f, b)) for s, f, b in step_bytes("s2", shape, True))["exchange[ep,esp,mp]"]
     assert s2[0]["allgather/mp"] == 64 * m * 4  # this rank's combined 1/G of the tokens
 
 
 def test_local_first_is_priced_as_its_pieces_run():
-    """--moe-parm-local-first in pipeline_s: the first local half runs while chunk 0 travels
+    """--moe-parm-local-first in exchange_s: the first local half runs while chunk 0 travels
     out, the second while the last return travels back, and the gathers over MP wait for it;
     in plan_cost, each half pays one more ESP gather and scatter: it wins where the link is
     slow against the ESP calls, and loses where those calls' latency is all there is."""
-    from parm_trainer.moe.cost_model import pipeline_s
+    from parm_trainer.moe.cost_model import exchange_s
 
     out, back = (0.0, 10.0), (0.0, 10.0)
-    assert pipeline_s(out, 4.0, back, (0.0, 0.0), 1) == 24.0
-    assert pipeline_s(out, 4.0, back, (0.0, 0.0), 1, local=(8.0, 8.0)) == 24.0  # hidden
+    assert exchange_s(out, 4.0, back, (0.0, 0.0), 1) == 24.0
+    assert exchange_s(out, 4.0, back, (0.0, 0.0), 1, local=(8.0, 8.0)) == 24.0  # hidden
     # longer halves bound it: 12, then chunk 0 from 12 to 16, its return to 26, 12 more
-    assert pipeline_s(out, 4.0, back, (0.0, 0.0), 1, local=(12.0, 12.0)) == 28.0
-    assert pipeline_s(out, 4.0, back, (0.0, 5.0), 1, local=(12.0, 12.0)) == 33.0
+    assert exchange_s(out, 4.0, back, (0.0, 0.0), 1, local=(12.0, 12.0)) == 28.0
+    assert exchange_s(out, 4.0, back, (0.0, 5.0), 1, local=(12.0, 12.0)) == 33.0
 
     shape = replace(SHAPE, capacity_factor=None, exact=True, chunks=2, sequence_parallel=True,
                     hidden=512, ffn=1024)

@@ -414,8 +414,8 @@ def check_step_times(run, stdout):
         labels = step_timing.labels(step.op for step in build_plan(name, True).steps)
         assert {key.rsplit("-", 1)[0] for key in timing["steps_max"]
                 if not key.endswith("-wait")} == set(labels), timing["steps_max"]
-        assert timing["steps_max"]["pipeline-fwd-wait"] > 0
-        assert timing["steps_max"]["pipeline-bwd-wait"] > 0
+        assert timing["steps_max"]["exchange-fwd-wait"] > 0
+        assert timing["steps_max"]["exchange-bwd-wait"] > 0
         for rank in timing["per_rank"]:
             assert len(rank["fwd"]) == 3  # --iters
             for steps, whole in (("fwd_steps", "fwd"), ("bwd_steps", "bwd")):

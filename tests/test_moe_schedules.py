@@ -29,7 +29,7 @@ def test_baseline_is_deepspeed_ted():
 def test_s1_pauses_mp_before_the_gate():
     # the exchange (AlltoAll, ESP gather, expert, ESP scatter, AlltoAll back) is one step, run
     # in --moe-parm-chunks pieces
-    assert ops("s1") == ["split_tokens[mp]", "gate[mp]", "dispatch", "pipeline[ep,esp]",
+    assert ops("s1") == ["split_tokens[mp]", "gate[mp]", "dispatch", "exchange[ep,esp]",
                          "combine", "gather_tokens[mp]"]
     # tokens already split: no MP split, and the output stays split
     assert ops("s1", True) == ops("s1")[1:-1]
@@ -38,7 +38,7 @@ def test_s1_pauses_mp_before_the_gate():
 
 def test_s2_pauses_mp_after_the_gate():
     # the exchange ends with the MP gather of the capacity slots (Parm's unified collective)
-    assert ops("s2") == ["gate", "dispatch", "split_capacity[mp]", "pipeline[ep,esp,mp]",
+    assert ops("s2") == ["gate", "dispatch", "split_capacity[mp]", "exchange[ep,esp,mp]",
                          "combine"]
     assert build_plan("s2", False).splits_capacity
 

@@ -201,7 +201,7 @@ def test_timing_report_formats():
     from parm_trainer.training.timers import format_report, max_over_ranks
 
     report = {"forward-backward": [10.0, 12.0], "optimizer": [0.0, 3.0],
-              "moe/layer2/pipeline-fwd": [4.0, 5.0], "moe/layer2/pipeline-fwd-wait": [1.0, 2.0],
+              "moe/layer2/exchange-fwd": [4.0, 5.0], "moe/layer2/exchange-fwd-wait": [1.0, 2.0],
               "moe/layer2/gate-fwd": [1.0, 0.5], "moe/layer2/gate-bwd": [0.25, 0.75],
               "moe/layer2/combine-fwd": [0.5, 0.5], "moe/layer2/dispatch-fwd": [0.1, 0.2]}
     assert max_over_ranks(report)["forward-backward"] == 12.0
@@ -214,7 +214,7 @@ def test_timing_report_formats():
     assert both[1] == "    forward-backward ...............................: (10.00, 12.00)"
     assert both[2].endswith(": (3.00, 3.00)")
     assert both[3] == ("    moe layer 2 fwd/bwd (ms, max over ranks): gate 1.00/0.75 | "
-                       "dispatch 0.20/0.00 | pipeline 5.00/0.00 (wait 2.00/0.00) | "
+                       "dispatch 0.20/0.00 | exchange 5.00/0.00 (wait 2.00/0.00) | "
                        "combine 0.50/0.00 | total 6.70/0.75")
     assert format_report(report, "max").splitlines()[1].endswith(": 12.00")
     assert format_report({}, "max") == ""

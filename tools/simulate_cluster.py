@@ -115,7 +115,7 @@ def s2_as_specified(shape, profile):
     cost = plan_cost(build_plan("s2", shape.sequence_parallel),
                      replace(shape, pad_capacity=True), profile)
     step = {row["step"].split("[")[0]: row for row in cost["steps"]}
-    hidden = min(step["split_capacity"]["backward_s"], step["pipeline"]["backward_s"])
+    hidden = min(step["split_capacity"]["backward_s"], step["exchange"]["backward_s"])
     return cost["total_s"] - hidden
 
 

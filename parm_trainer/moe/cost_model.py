@@ -3,7 +3,7 @@
 It walks the same Plan objects the executor (layer.py) runs: each step's collectives (the bytes
 comm.LEDGER records), GEMMs and memory work on one rank (step_load), priced with the profile's
 alpha-beta rates (step_cost); the expert exchange in r pieces is replayed as the executor
-schedules it (pipeline_s). price_schedules and choose_schedule compare schedules for a
+schedules it (exchange_s). price_schedules and choose_schedule compare schedules for a
 LayerShape. What each price is made of, how a profile is calibrated, and how far the model
 is to be trusted (measured): docs/cost_model.md.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from parm_trainer.moe.cost_profile import Profile
 from parm_trainer.moe.cost_shape import LayerShape
-from parm_trainer.moe.plan import Plan, Step
+from parm_trainer.moe.plan import Op, Plan, Step
 from parm_trainer.moe.schedules import build_plan
 
 CHUNK_CHOICES = (1, 2, 4, 8)  # the exchange depths auto weighs (--moe-parm-chunks 0)
@@ -32,15 +32,15 @@ class Held:
 @dataclass(frozen=True)
 class StepLoad:
     """One step's work on this rank: collectives ((kind, group, bytes sent), ...) per phase,
-    GEMM flops and memory traffic; the pipeline step's collectives are one () or
+    GEMM flops and memory traffic; the exchange step's collectives are one () or
     ((kind, group, bytes),) per stage, run in `chunks` pieces."""
     forward: tuple = ()
     backward: tuple = ()
     chunks: int = 1
     flops: float = 0.0  # forward; the backward is priced at twice the forward
     moved: float = 0.0  # bytes read + written by memory-bound work, forward (backward twice)
-    pipeline: bool = False  # the "pipeline" step: collectives (out, ag, rs, back[, gather])
-    gemms: int = 1  # GEMM calls in the forward (per piece in the pipeline), each paying alpha
+    exchange: bool = False  # the "exchange" step: collectives (out, ag, rs, back[, gather])
+    gemms: int = 1  # GEMM calls in the forward (per piece in the exchange), each paying alpha
     local_share: float = 0.0  # of the exchange's rows, computed in the two local halves
 
 
@@ -68,18 +68,18 @@ def step_load(step: Step, shape: LayerShape, held: Held) -> tuple:
             raise ValueError(f"{step}: {what}")
 
     if op in ("split_tokens", "gather_tokens"):
-        part = n // s.mp if op == "split_tokens" else n
-        need(op == "gather_tokens" or n % s.mp == 0, f"{n} tokens do not split over MP {s.mp}")
+        part = n // s.mp if op == Op.SPLIT_TOKENS else n
+        need(op == Op.GATHER_TOKENS or n % s.mp == 0, f"{n} tokens do not split over MP {s.mp}")
         ag = coll("allgather", "mp", part * s.hidden * b)
-        load = StepLoad(backward=ag) if op == "split_tokens" else StepLoad(forward=ag)
-        return load, replace(held, tokens=part if op == "split_tokens" else n * s.mp)
-    if s.exact and op in ("dispatch", "split_capacity", "pipeline", "combine"):
+        load = StepLoad(backward=ag) if op == Op.SPLIT_TOKENS else StepLoad(forward=ag)
+        return load, replace(held, tokens=part if op == Op.SPLIT_TOKENS else n * s.mp)
+    if s.exact and op in (Op.DISPATCH, Op.SPLIT_CAPACITY, Op.EXCHANGE, Op.COMBINE):
         return _exact_step_load(step, s, held, coll, need)
-    if op == "split_capacity":
+    if op == Op.SPLIT_CAPACITY:
         need(c % s.mp == 0, f"capacity {c} does not split over MP {s.mp}")
         ag = coll("allgather", "mp", s.experts * (c // s.mp) * s.hidden * b)
         return StepLoad(backward=ag), replace(held, capacity=c // s.mp)
-    if op == "gate":
+    if op == Op.GATE:
         if step.group != "mp":
             return StepLoad(flops=2 * n * s.hidden * s.experts), held
         # on split tokens: the router's per-expert token counts (int64) summed over MP for the
@@ -91,25 +91,25 @@ def step_load(step: Step, shape: LayerShape, held: Held) -> tuple:
         counts = () if carried else coll("allreduce", "mp", s.experts * 8)
         wgrad = () if s.sequence_parallel else coll("allreduce", "mp", s.experts * s.hidden * b)
         return StepLoad(forward=counts, backward=wgrad, flops=2 * n * s.hidden * s.experts), held
-    if op == "dispatch":
+    if op == Op.DISPATCH:
         c = s.capacity(n, held.multiple)
         return (StepLoad(moved=(n + s.experts * c) * s.hidden * b),
                 replace(held, capacity=c))
-    if op == "combine":
+    if op == Op.COMBINE:
         return StepLoad(moved=(n + s.experts * c) * s.hidden * b), replace(held, capacity=0)
-    if op == "a2a":
+    if op == Op.A2A:
         need(s.experts % s.ep == 0, f"{s.experts} experts do not split over EP {s.ep}")
         a2a = coll("alltoall", "ep", slab)
         return StepLoad(forward=a2a, backward=a2a), held
     if op in ("copy", "allreduce"):
         ar = coll("allreduce", "esp", slab)
-        return (StepLoad(backward=ar) if op == "copy" else StepLoad(forward=ar)), held
-    if op == "expert":
+        return (StepLoad(backward=ar) if op == Op.COPY else StepLoad(forward=ar)), held
+    if op == Op.EXPERT:
         need(s.ffn % s.esp == 0, f"ffn {s.ffn} does not split over ESP {s.esp}")
         rows, h = s.experts * c, s.ffn // s.esp
         return StepLoad(flops=2 * rows * s.hidden * h * s.matrices, moved=2 * rows * h * b,
                         gemms=s.expert_gemms()), held
-    if op == "pipeline":  # a2a, ESP gather, expert, ESP scatter, a2a back [, MP gather]
+    if op == Op.EXCHANGE:  # a2a, ESP gather, expert, ESP scatter, a2a back [, MP gather]
         need(s.experts % s.ep == 0, f"{s.experts} experts do not split over EP {s.ep}")
         need(s.ffn % s.esp == 0, f"ffn {s.ffn} does not split over ESP {s.esp}")
         a2a, ag = coll("alltoall", "ep", slab), coll("allgather", "esp", slab)
@@ -119,7 +119,7 @@ def step_load(step: Step, shape: LayerShape, held: Held) -> tuple:
         # swap (their duals move the same bytes) and the MP gather's dual sends nothing
         expert, _ = step_load(Step("expert"), shape, replace(held, capacity=c * s.esp))
         load = StepLoad(forward=(a2a, ag, rs, a2a, gather), backward=(a2a, rs, ag, a2a, ()),
-                        pipeline=True, chunks=max(1, min(s.chunks, c)),
+                        exchange=True, chunks=max(1, min(s.chunks, c)),
                         flops=expert.flops, moved=expert.moved, gemms=expert.gemms)
         return load, replace(held, capacity=c * s.mp if gather else c)
     raise ValueError(f"unknown plan step {step}")
@@ -130,23 +130,23 @@ def _exact_step_load(step: Step, s: LayerShape, held: Held, coll, need) -> tuple
     agrees the send counts with one AllGather of small ints over the EP x ESP group, made as
     an AlltoAll to every rank (comm_uneven.gather_counts; priced on EP, whose links it
     crosses); s2's split keeps 1/G of the tokens and their E weights
-    (backward: their AllGather); the pipeline sends rows = tokens x ep_hit to each EP rank,
+    (backward: their AllGather); the exchange sends rows = tokens x ep_hit to each EP rank,
     M + L wide, and gets one row of M back for each; the expert runs on the rows' k / EP
     expected (token, expert) pairs per row sent, gathered over ESP; the combine adds the
     returned rows into the tokens."""
     op, b, n = step.op, s.bytes_per_element, held.tokens
     local, pieces = s.experts // s.ep, max(1, min(s.chunks, n))
-    if op == "dispatch":
+    if op == Op.DISPATCH:
         per_piece = s.ep + (s.ep // s.relay if s.relay > 1 else 0)  # relayed: per node too
         counts = coll("alltoall", "ep", (2 + pieces * per_piece) * 8)
         return StepLoad(forward=counts, moved=n * s.experts * 4), held
-    if op == "split_capacity":
+    if op == Op.SPLIT_CAPACITY:
         need(n % s.mp == 0, f"{n} tokens do not split over MP {s.mp}")
         part = n // s.mp
         return (StepLoad(backward=coll("allgather", "mp", part * (s.hidden + s.experts) * b)),
                 replace(held, tokens=part))
     rows = n * s.ep_hit()  # per EP destination; a rank receives as many from each sender
-    if op == "combine":
+    if op == Op.COMBINE:
         return StepLoad(moved=(n + rows * s.ep) * s.hidden * b), held
     need(s.experts % s.ep == 0, f"{s.experts} experts do not split over EP {s.ep}")
     need(s.ffn % s.esp == 0, f"ffn {s.ffn} does not split over ESP {s.esp}")
@@ -174,15 +174,15 @@ def _exact_step_load(step: Step, s: LayerShape, held: Held, coll, need) -> tuple
     local_first = s.local_first and s.relay == 1 and s.ep > 1  # a rank's own rows: 1 / EP
     load = StepLoad(forward=(out, hop + ag, rs + hop_back, back, gather),
                     backward=(back, hop_back + ag_dual, rs_dual + hop, out, ()),
-                    pipeline=True, chunks=pieces, gemms=s.expert_gemms(),
+                    exchange=True, chunks=pieces, gemms=s.expert_gemms(),
                     flops=2 * pairs * s.hidden * h * s.matrices, moved=2 * pairs * h * b,
                     local_share=1 / s.ep if local_first else 0.0)
     return load, replace(held, tokens=n * s.mp if gather else n)
 
 
-def pipeline_s(out: tuple, main: float, back: tuple, tail: tuple, chunks: int,
+def exchange_s(out: tuple, main: float, back: tuple, tail: tuple, chunks: int,
                lanes: int = 1, local: tuple = (0.0, 0.0)) -> float:
-    """Seconds of one phase of the "pipeline" step over r = chunks pieces. out, back, tail:
+    """Seconds of one phase of the "exchange" step over r = chunks pieces. out, back, tail:
     (alpha, transfer seconds of ONE chunk) of its AlltoAll, its AlltoAll back and s2's MP
     gather ((0, 0) for s1); main: seconds the main thread spends on one chunk (gather, expert,
     scatter). As the executor runs it: every outbound AlltoAll is issued at once, so they
@@ -249,8 +249,8 @@ def shared_expert_s(shape: LayerShape, profile: Profile) -> tuple:
     return work + comm, 2 * work + comm
 
 
-def _pipeline_cost(load: StepLoad, shape: LayerShape, profile: Profile) -> tuple:
-    """(forward_s, backward_s) of the pipeline step: pipeline_s on per-chunk prices, with the
+def _exchange_cost(load: StepLoad, shape: LayerShape, profile: Profile) -> tuple:
+    """(forward_s, backward_s) of the exchange step: exchange_s on per-chunk prices, with the
     layer terms (collectives x comm_factor, work x compute_factor), plus host_s_per_step, and
     s_per_call for each of its calls, r per collective, on the main thread's time of the piece
     it belongs to: a call's wait for the slowest rank and its host work take the main thread
@@ -273,14 +273,14 @@ def _pipeline_cost(load: StepLoad, shape: LayerShape, profile: Profile) -> tuple
     phases = []
     for colls, weight in ((load.forward, 1), (load.backward, 2)):
         out, ag, rs, back, tail = (chunk(c) for c in colls)
-        piece_calls, half_calls = _pipeline_calls(colls)
+        piece_calls, half_calls = _exchange_calls(colls)
         # per piece: the calls' latency and waits, then the rows' transfers and work
         fixed, rows = ag[0] + rs[0], ag[1] + rs[1] + weight * work
         # local first: each chunk keeps the other EP ranks' share of the rows, and each half
         # of this rank's own rows pays one more gather and scatter
         half = fixed + per_call * half_calls + share * r * rows / 2 if share else 0.0
         first = half + (shared if weight == 1 else 0.0)
-        phases.append(pipeline_s(out, fixed + per_call * piece_calls + (1 - share) * rows,
+        phases.append(exchange_s(out, fixed + per_call * piece_calls + (1 - share) * rows,
                                  back, tail, r, profile.lanes, (first, half)) + weight * host)
     return tuple(phases)
 
@@ -288,8 +288,8 @@ def _pipeline_cost(load: StepLoad, shape: LayerShape, profile: Profile) -> tuple
 def step_cost(step: Step, shape: LayerShape, profile: Profile, held: Held) -> tuple:
     """(forward_s, backward_s) of one step, entered holding `held` (see walk)."""
     load, _ = step_load(step, shape, held)
-    if load.pipeline:
-        return _pipeline_cost(load, shape, profile)
+    if load.exchange:
+        return _exchange_cost(load, shape, profile)
     compute = _work_s(load.flops, load.moved, profile, load.gemms)
     comm_factor, compute_factor, host, per_call = profile.layer
     compute = compute * compute_factor + host
@@ -298,18 +298,18 @@ def step_cost(step: Step, shape: LayerShape, profile: Profile, held: Held) -> tu
                  for colls, weight in ((load.forward, 1), (load.backward, 2)))
 
 
-def _pipeline_calls(colls: tuple) -> tuple:
-    """(calls of one piece, calls of one local half) in a phase of the pipeline step: a piece
+def _exchange_calls(colls: tuple) -> tuple:
+    """(calls of one piece, calls of one local half) in a phase of the exchange step: a piece
     makes one of each of its collectives (AlltoAlls, ESP gather and scatter, MP gather), a
     local half (--moe-parm-local-first) its ESP gather and scatter."""
     return sum(len(c) for c in colls), len(colls[1]) + len(colls[2])
 
 
 def calls(colls: tuple, load: StepLoad) -> int:
-    """Collective calls of one phase of a step: the pipeline step makes one of each of its
+    """Collective calls of one phase of a step: the exchange step makes one of each of its
     collectives per piece, and with local first its two halves their ESP calls."""
-    if load.pipeline:
-        piece, half = _pipeline_calls(colls)
+    if load.exchange:
+        piece, half = _exchange_calls(colls)
         return piece * load.chunks + (2 * half if load.local_share else 0)
     return len(colls)
 
@@ -317,7 +317,7 @@ def calls(colls: tuple, load: StepLoad) -> int:
 def walk(plan: Plan, shape: LayerShape) -> list:
     """[(step, Held on entering it)] for the plan; shape.sequence_parallel must be the one the
     plan was built with. Raises ValueError for a layout the executor refuses."""
-    if any(st.group == "esp" and st.op in ("copy", "allreduce") for st in plan.steps):
+    if any(st.group == "esp" and st.op in (Op.COPY, Op.ALLREDUCE) for st in plan.steps):
         if shape.esp != shape.mp:  # planning/checks.py: ESP ranks need the same tokens
             raise ValueError(f"{plan.name} reduces expert outputs over ESP: needs ESP {shape.esp}"
                              f" = MP {shape.mp}")
@@ -335,7 +335,7 @@ def plan_cost(plan: Plan, shape: LayerShape, profile: Profile) -> dict:
     count all-reduce of gate[mp], which the model prices)."""
     steps, total_f, total_b = [], 0.0, 0.0
     sent = {"forward": {}, "backward": {}}
-    exchange = any(step.op == "pipeline" for step in plan.steps)
+    exchange = any(step.op == Op.EXCHANGE for step in plan.steps)
     if shape.shared_ffn:  # its forward in the exchange step where overlapped there
         fwd, bwd = shared_expert_s(shape, profile)
         overlapped = shape.shared_overlap and exchange
@@ -349,7 +349,7 @@ def plan_cost(plan: Plan, shape: LayerShape, profile: Profile) -> dict:
         total_f, total_b = total_f + fwd, total_b + bwd
         row = {"step": str(step), "forward_s": fwd, "backward_s": bwd, "flops": load.flops}
         for phase, colls in (("forward", load.forward), ("backward", load.backward)):
-            if load.pipeline:  # (coll, ...) per stage, each () or ((kind, group, bytes),)
+            if load.exchange:  # (coll, ...) per stage, each () or ((kind, group, bytes),)
                 colls = [c for stage in colls for c in stage]
             row[f"{phase}_bytes"] = {}
             for k, g, nbytes in colls:

@@ -44,7 +44,7 @@ class Profile:
     layer: tuple = (1.0, 1.0, 0.0, 0.0)
     # Collectives one process group runs at once: NCCL 1 (its stream runs them in order),
     # gloo 2 (two worker threads per group), so two started AlltoAlls share the link and land
-    # together. The pipeline's arrivals (pipeline_s) depend on it.
+    # together. The exchange's arrivals (exchange_s) depend on it.
     lanes: int = 1
     # Shared links and cores (link_sharing.py): a node's links (flows at full rate; None: one
     # per rank, nothing shared), the flows per node link the "inter" rates were measured with,

@@ -42,7 +42,7 @@ that node's experts (ledger group "ep_link"); that rank forwards each row inside
 (AlltoAll-v over the node's EP ranks, "ep_node") to the ranks whose experts it names, with
 their L weights, and sums their returned rows into one before the AlltoAll-v back over the
 link. The counts of both hops come from the one AllGather of step 3 (rows per EP rank and
-per node of every sender). The in-node hop runs on the main thread, inside the pipeline.
+per node of every sender). The in-node hop runs on the main thread, inside the exchange's pieces.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from parm_trainer.moe import comm, shared_expert, step_timing
 from parm_trainer.moe.aux_loss import DeferringRouter
 from parm_trainer.moe.exchange import Routed, exchange, route
 from parm_trainer.moe.forced_routing import ForcedLogits
+from parm_trainer.moe.plan import Op
 from parm_trainer.moe.schedules import build_plan
 from parm_trainer.moe_flags import ROUTER_DTYPES
 from parm_trainer.parallel import consecutive_subgroup
@@ -220,7 +221,7 @@ class ParmMoELayer(MegatronModule):
                                                           device=x.device))
         return out.view(local, ep, c, hidden).transpose(0, 1).reshape(ep * local, c, hidden)
 
-    def _pipeline(self, x, gather_mp: bool, shared=None):
+    def _padded_exchange(self, x, gather_mp: bool, shared=None):
         """The expert exchange of s1 (and s2, gather_mp) on (E, c, M) in self.chunks pieces of
         the capacity slots. Every piece's AlltoAll is issued at once; while later pieces are
         on the wire, piece i is gathered over ESP, computed, reduce-scattered and sent back
@@ -264,35 +265,35 @@ class ParmMoELayer(MegatronModule):
             op = step.op
             if clock is not None:  # --timing-log-level 2
                 x = clock.enter(x)
-            if op == "split_tokens":
+            if op == Op.SPLIT_TOKENS:
                 x = comm.split(x, groups["mp"], "mp", dim=0)
                 seq_shape = (x.shape[0] // batch, batch)
-            elif op == "gather_tokens":
+            elif op == Op.GATHER_TOKENS:
                 x = comm.gather(x, groups["mp"], "mp", dim=0)
                 seq_shape = (x.shape[0] // batch, batch)
-            elif op == "gate":
+            elif op == Op.GATE:
                 probs, routing_map = self._gate(x, seq_shape, split=step.group == "mp")
-            elif op == "dispatch":
+            elif op == Op.DISPATCH:
                 x, routing = self._dispatch(x, probs, routing_map)
-            elif op == "split_capacity" and self.exact:  # this MP rank's block of tokens
+            elif op == Op.SPLIT_CAPACITY and self.exact:  # this MP rank's block of tokens
                 x = x.split(groups["mp"], "mp")
-            elif op == "split_capacity":
+            elif op == Op.SPLIT_CAPACITY:
                 x = comm.split(x, groups["mp"], "mp", dim=1)
-            elif op == "a2a":
+            elif op == Op.A2A:
                 x = comm.all_to_all(x, groups["ep"], "ep")
-            elif op == "copy":
+            elif op == Op.COPY:
                 x = comm.copy_to(x, groups["esp"], "esp")
-            elif op == "allreduce":
+            elif op == Op.ALLREDUCE:
                 x = comm.all_reduce(x, groups["esp"], "esp")
-            elif op == "expert":
+            elif op == Op.EXPERT:
                 x = self._expert(x)
-            elif op == "pipeline":
+            elif op == Op.EXCHANGE:
                 gather_mp = "mp" in step.group.split(",")
                 x = (exchange(self, x, gather_mp, shared_out) if isinstance(x, Routed)
-                     else self._pipeline(x, gather_mp, shared_out))
-            elif op == "combine" and self.exact:
+                     else self._padded_exchange(x, gather_mp, shared_out))
+            elif op == Op.COMBINE and self.exact:
                 pass  # the exact exchange added every row into its token already
-            elif op == "combine":
+            elif op == Op.COMBINE:
                 x = self._combine(x, routing)
             else:
                 raise ValueError(f"unknown plan step {step}")

@@ -13,7 +13,7 @@ steps call (comm.py); a cost model can price the same steps. Step ops:
     a2a             AlltoAll over EP (blocks of experts)
     allreduce       ESP-AllReduce
     copy            identity; backward, ESP-AllReduce of the gradient (replicated expert input)
-    pipeline        the expert exchange: AlltoAll (EP), ESP-AllGather, expert, ESP-ReduceScatter,
+    exchange        the expert exchange: AlltoAll (EP), ESP-AllGather, expert, ESP-ReduceScatter,
                     AlltoAll back (and, with group "ep,esp,mp", the MP-AllGather of the
                     capacity, used identically afterwards) in r pieces of the capacity slots
                     (the layer's chunks; of the tokens, in exact counts, in the exact
@@ -24,13 +24,32 @@ steps call (comm.py); a cost model can price the same steps. Step ops:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Optional
+
+
+class Op(StrEnum):
+    """A plan step's op: what the executor (layer.py) runs and the cost model prices."""
+    GATE = "gate"
+    DISPATCH = "dispatch"
+    COMBINE = "combine"
+    EXPERT = "expert"
+    SPLIT_TOKENS = "split_tokens"
+    GATHER_TOKENS = "gather_tokens"
+    SPLIT_CAPACITY = "split_capacity"
+    A2A = "a2a"
+    ALLREDUCE = "allreduce"
+    COPY = "copy"
+    EXCHANGE = "exchange"
 
 
 @dataclass(frozen=True)
 class Step:
-    op: str
+    op: Op
     group: Optional[str] = None  # "mp", "ep", "esp", or the exchange's "ep,esp[,mp]"
+
+    def __post_init__(self):
+        object.__setattr__(self, "op", Op(self.op))  # an unknown op fails here
 
     def __str__(self) -> str:
         return f"{self.op}[{self.group}]" if self.group else self.op

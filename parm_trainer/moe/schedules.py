@@ -15,7 +15,7 @@ s2        MP paused after the gate: every MP rank gates all N tokens, keeps 1/G 
           collective), and the combine on all N tokens.
 
 s1's and s2's expert exchange (AlltoAll, ESP-AllGather, expert, ESP-ReduceScatter, AlltoAll
-back, and s2's MP-AllGather) is one "pipeline" step over r = chunks pieces of the capacity
+back, and s2's MP-AllGather) is one "exchange" step over r = chunks pieces of the capacity
 slots: every piece's AlltoAll is issued at once, and while piece i+1's are on the wire piece i
 is gathered, computed and sent back (layer.py); r = 1 runs the exchange in one piece, each
 collective after the other. The baseline is never pipelined (DeepSpeed's TED is not).
@@ -23,31 +23,31 @@ collective after the other. The baseline is never pipelined (DeepSpeed's TED is 
 
 from __future__ import annotations
 
-from parm_trainer.moe.plan import Plan, Step
+from parm_trainer.moe.plan import Op, Plan, Step
 
 SCHEDULES = ("baseline", "s1", "s2")
 
 
 def baseline(sequence_parallel: bool) -> Plan:
-    steps = [Step("gate"), Step("dispatch"), Step("a2a", "ep"), Step("copy", "esp"),
-             Step("expert"), Step("allreduce", "esp"), Step("a2a", "ep"), Step("combine")]
+    steps = [Step(Op.GATE), Step(Op.DISPATCH), Step(Op.A2A, "ep"), Step(Op.COPY, "esp"),
+             Step(Op.EXPERT), Step(Op.ALLREDUCE, "esp"), Step(Op.A2A, "ep"), Step(Op.COMBINE)]
     if sequence_parallel:
-        steps = [Step("gather_tokens", "mp"), *steps, Step("split_tokens", "mp")]
+        steps = [Step(Op.GATHER_TOKENS, "mp"), *steps, Step(Op.SPLIT_TOKENS, "mp")]
     return Plan("baseline", tuple(steps), splits_tokens=False, splits_capacity=False)
 
 
 def s1(sequence_parallel: bool) -> Plan:
-    steps = [Step("gate", "mp"), Step("dispatch"), Step("pipeline", "ep,esp"), Step("combine")]
+    steps = [Step(Op.GATE, "mp"), Step(Op.DISPATCH), Step(Op.EXCHANGE, "ep,esp"), Step(Op.COMBINE)]
     if not sequence_parallel:
-        steps = [Step("split_tokens", "mp"), *steps, Step("gather_tokens", "mp")]
+        steps = [Step(Op.SPLIT_TOKENS, "mp"), *steps, Step(Op.GATHER_TOKENS, "mp")]
     return Plan("s1", tuple(steps), splits_tokens=True, splits_capacity=False)
 
 
 def s2(sequence_parallel: bool) -> Plan:
-    steps = [Step("gate"), Step("dispatch"), Step("split_capacity", "mp"),
-             Step("pipeline", "ep,esp,mp"), Step("combine")]
+    steps = [Step(Op.GATE), Step(Op.DISPATCH), Step(Op.SPLIT_CAPACITY, "mp"),
+             Step(Op.EXCHANGE, "ep,esp,mp"), Step(Op.COMBINE)]
     if sequence_parallel:
-        steps = [Step("gather_tokens", "mp"), *steps, Step("split_tokens", "mp")]
+        steps = [Step(Op.GATHER_TOKENS, "mp"), *steps, Step(Op.SPLIT_TOKENS, "mp")]
     return Plan("s2", tuple(steps), splits_tokens=False, splits_capacity=True)
 
 

@@ -264,6 +264,33 @@ def _pieces(n: int, chunks: int, local_first: bool) -> list:
             + [_Piece(*span, "local") for span in comm.chunk_spans(n, 2)])
 
 
+class ExactExchange:
+    """The exact exchange (and the direct one: no relay) behind the four methods the layer's
+    executor calls, as padded_exchange.PaddedExchange has them."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def dispatch(self, tokens, probs, routing_map):
+        """Mark the kept (token, expert) pairs: all of them dropless, else those within the
+        capacity of one gate call (layer.capacity). No routing is left for the combine."""
+        keep = routing_map
+        if self.layer.config.moe_expert_capacity_factor is not None:
+            position = torch.cumsum(routing_map.to(torch.int64), dim=0) - 1
+            keep = routing_map & (position < self.layer.capacity(routing_map))
+        return route(tokens, probs, keep), None
+
+    def split_capacity(self, routed: Routed) -> Routed:
+        """s2's MP split: this MP rank's block of the tokens."""
+        return routed.split(self.layer.groups["mp"], "mp")
+
+    def run(self, routed: Routed, gather_mp: bool, shared=None):
+        return exchange(self.layer, routed, gather_mp, shared)
+
+    def combine(self, out, routing):
+        return out  # the exchange added every row into its token already
+
+
 def exchange(layer, routed: Routed, gather_mp: bool, shared=None):
     """The exact exchange of routed's tokens -> their MoE outputs (n, M), or with gather_mp
     every MP rank's, in MP rank order (G n, M). shared (the overlapped shared expert,

@@ -3,23 +3,17 @@
 megatron-core's MoELayer fixes where the gate sits relative to the MP split; Parm moves it, so
 this layer owns the whole forward and executes a Plan (schedules.py) step by step.
 
-s1's and s2's expert exchange is exact by default (exchange.py): each token crosses to each
-EP rank once, in AlltoAlls of exact counts, and comes back summed over that rank's experts
-(where an EP group has several ranks on each of its nodes, once to each node, forwarded inside
-it: node_relay.py; --moe-parm-exchange direct keeps one hop);
-dispatch then only marks the kept (token, expert) pairs, s2's split_capacity keeps this MP
-rank's block of the tokens, and the exchange itself adds the rows into their tokens (the
-combine step has nothing left to do). With exchange "padded" (--moe-parm-exchange padded, or
---moe-pad-expert-input-to-capacity, which parse_args maps to it), and always for the baseline, tokens are dispatched into
-the fixed (E, C, M) layout of PARM.md: C is the capacity of one gate call (from
---moe-expert-capacity-factor, or, dropless, the largest expert load in the pipeline stage,
-agreed with one scalar all-reduce), and the routing probabilities are applied in the combine.
+The exchange (dispatch, s2's MP split, the exchange itself, combine) is an object the layer
+builds once and the executor calls: exact by default (exchange.ExactExchange: each token
+crosses to each EP rank once, in AlltoAlls of exact counts, relayed through a node where an EP
+group has several ranks on each of its nodes, node_relay.py; "direct" keeps one hop), or
+padded (padded_exchange.PaddedExchange, --moe-parm-exchange padded, and always the baseline's:
+the fixed (E, C, M) layout of PARM.md, C the capacity of one gate call, capacity()).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -32,8 +26,9 @@ from megatron.core.transformer.spec_utils import build_module
 from parm_trainer import node_relay
 from parm_trainer.moe import comm, shared_expert, step_timing
 from parm_trainer.moe.aux_loss import DeferringRouter
-from parm_trainer.moe.exchange import Routed, exchange, route
+from parm_trainer.moe.exchange import ExactExchange
 from parm_trainer.moe.forced_routing import ForcedLogits
+from parm_trainer.moe.padded_exchange import PaddedExchange
 from parm_trainer.moe.plan import Op
 from parm_trainer.moe.schedules import build_plan
 from parm_trainer.moe_flags import ROUTER_DTYPES
@@ -66,15 +61,6 @@ def expert_comm_explicit(module: torch.nn.Module) -> int:
             sub.explicit_expert_comm = True
             changed += 1
     return changed
-
-
-@dataclass
-class _Routing:
-    """What the dispatch step leaves for the combine step."""
-    token_index: torch.Tensor
-    slot: torch.Tensor
-    weight: torch.Tensor
-    num_tokens: int
 
 
 class ParmMoELayer(MegatronModule):
@@ -143,6 +129,8 @@ class ParmMoELayer(MegatronModule):
         self.shared_overlap = shared_overlap and self.shared_experts is not None
         self.force_balance = (ForcedLogits(layer_number)
                               if config.moe_router_force_load_balancing else None)
+        # the exchange's dispatch, MP split, exchange and combine (exact or direct, or padded)
+        self.exchange = ExactExchange(self) if self.exact else PaddedExchange(self)
 
     def _mp_in_exchange_group(self):
         """The MP ranks' positions in the exact exchange's count AllGather (over EP x ESP),
@@ -178,7 +166,9 @@ class ParmMoELayer(MegatronModule):
             logits = self.force_balance(logits)
         return router.routing(logits.view(*seq_shape, self.num_experts))
 
-    def _capacity(self, routing_map) -> int:
+    def capacity(self, routing_map) -> int:
+        """Slots per expert of one gate call: from the capacity factor, or, dropless, the
+        largest expert load in the pipeline stage (one MAX all-reduce)."""
         n = routing_map.shape[0]
         if self.config.moe_expert_capacity_factor is not None:
             return get_capacity(n * self.config.moe_router_topk, self.num_experts,
@@ -190,28 +180,7 @@ class ParmMoELayer(MegatronModule):
             capacity = math.ceil(capacity / self.mp_size) * self.mp_size
         return capacity
 
-    def _dispatch(self, tokens, probs, routing_map):
-        if self.exact and self.config.moe_expert_capacity_factor is None:  # dropless
-            return route(tokens, probs, routing_map), None
-        capacity = self._capacity(routing_map)
-        position = torch.cumsum(routing_map.to(torch.int64), dim=0) - 1
-        keep = routing_map & (position < capacity)
-        if self.exact:
-            return route(tokens, probs, keep), None
-        token_index, expert_index = keep.nonzero(as_tuple=True)
-        slot = expert_index * capacity + position[token_index, expert_index]
-        dispatched = tokens.new_zeros(self.num_experts * capacity, tokens.shape[-1])
-        dispatched = dispatched.index_copy(0, slot, tokens[token_index])
-        routing = _Routing(token_index, slot, probs[token_index, expert_index], tokens.shape[0])
-        return dispatched.view(self.num_experts, capacity, -1), routing
-
-    def _combine(self, expert_output, routing: _Routing):
-        flat = expert_output.reshape(-1, expert_output.shape[-1])
-        weighted = flat[routing.slot] * routing.weight.unsqueeze(-1).to(flat.dtype)
-        out = flat.new_zeros(routing.num_tokens, flat.shape[-1])
-        return out.index_add(0, routing.token_index, weighted)
-
-    def _expert(self, x):
+    def expert(self, x):
         """x: (E, c, M), dim 0 = EP blocks of this rank's local experts -> same shape, partial
         sums over ESP (the expert's row-parallel fc2 leaves the reduction to the schedule)."""
         ep, local, (c, hidden) = self.ep_size, self.num_local_experts, x.shape[1:]
@@ -220,36 +189,6 @@ class ParmMoELayer(MegatronModule):
         out, _ = self.experts(grouped, counts, torch.ones(grouped.shape[0], dtype=x.dtype,
                                                           device=x.device))
         return out.view(local, ep, c, hidden).transpose(0, 1).reshape(ep * local, c, hidden)
-
-    def _padded_exchange(self, x, gather_mp: bool, shared=None):
-        """The expert exchange of s1 (and s2, gather_mp) on (E, c, M) in self.chunks pieces of
-        the capacity slots. Every piece's AlltoAll is issued at once; while later pieces are
-        on the wire, piece i is gathered over ESP, computed, reduce-scattered and sent back
-        (and, for s2, gathered over MP). Slots are independent rows, so each piece is exactly
-        the one-piece computation on its slots; the backward overlaps the same way
-        (comm.start/finish). One piece runs each collective after the other."""
-        ep, esp, mp = self.groups["ep"], self.groups["esp"], self.groups["mp"]
-        spans = comm.chunk_spans(x.shape[1], self.chunks)
-        if not spans:  # no capacity slots (agreed on every rank): nothing to exchange
-            return x
-        outbound = [comm.start("alltoall", x.narrow(1, *span), ep, "ep") for span in spans]
-        if shared is not None:
-            shared.run()
-        inbound = []
-        for started in outbound:
-            y = comm.all_gather(comm.finish(started), esp, "esp", dim=1)
-            y = comm.reduce_scatter(self._expert(y), esp, "esp", dim=1)
-            inbound.append(comm.start("alltoall", y, ep, "ep"))
-        if shared is not None:
-            shared.bind()
-        if not gather_mp:
-            return torch.cat([comm.finish(started) for started in inbound], dim=1)
-        gathers = [comm.start("gather", comm.finish(started), mp, "mp", dim=1)
-                   for started in inbound]
-        pieces = [comm.finish(started) for started in gathers]  # [rank 0's span | rank 1's ...]
-        # the one-piece layout: each MP rank's slots together, pieces in order within them
-        return torch.cat([piece.narrow(1, rank * size, size) for rank in range(self.mp_size)
-                          for piece, (_, size) in zip(pieces, spans)], dim=1)
 
     # --- executor ----------------------------------------------------------------------------
     def forward(self, hidden_states, *args, **kwargs):
@@ -274,11 +213,9 @@ class ParmMoELayer(MegatronModule):
             elif op == Op.GATE:
                 probs, routing_map = self._gate(x, seq_shape, split=step.group == "mp")
             elif op == Op.DISPATCH:
-                x, routing = self._dispatch(x, probs, routing_map)
-            elif op == Op.SPLIT_CAPACITY and self.exact:  # this MP rank's block of tokens
-                x = x.split(groups["mp"], "mp")
+                x, routing = self.exchange.dispatch(x, probs, routing_map)
             elif op == Op.SPLIT_CAPACITY:
-                x = comm.split(x, groups["mp"], "mp", dim=1)
+                x = self.exchange.split_capacity(x)
             elif op == Op.A2A:
                 x = comm.all_to_all(x, groups["ep"], "ep")
             elif op == Op.COPY:
@@ -286,15 +223,11 @@ class ParmMoELayer(MegatronModule):
             elif op == Op.ALLREDUCE:
                 x = comm.all_reduce(x, groups["esp"], "esp")
             elif op == Op.EXPERT:
-                x = self._expert(x)
+                x = self.expert(x)
             elif op == Op.EXCHANGE:
-                gather_mp = "mp" in step.group.split(",")
-                x = (exchange(self, x, gather_mp, shared_out) if isinstance(x, Routed)
-                     else self._padded_exchange(x, gather_mp, shared_out))
-            elif op == Op.COMBINE and self.exact:
-                pass  # the exact exchange added every row into its token already
+                x = self.exchange.run(x, "mp" in step.group.split(","), shared_out)
             elif op == Op.COMBINE:
-                x = self._combine(x, routing)
+                x = self.exchange.combine(x, routing)
             else:
                 raise ValueError(f"unknown plan step {step}")
         if clock is not None:

@@ -40,8 +40,12 @@ def two_rank_run(tmp_path_factory):
          str(script), str(tmp)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+    files = [tmp / f"rank{r}.json" for r in range(2)]
+    # The unpatched uneven all-gather leaves gloo's group with a failed collective; a rank can
+    # then abort in its teardown, after writing its results ("terminate called without an
+    # active exception", seen once under a loaded suite). The results are what is checked.
+    assert all(f.exists() for f in files), proc.stdout[-2000:] + proc.stderr[-4000:]
+    return [json.loads(f.read_text()) for f in files]
 
 
 def test_uneven_gather_still_needed(two_rank_run):

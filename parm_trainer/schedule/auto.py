@@ -2,20 +2,19 @@
 --moe-parm-cost-profile, or else by measuring the candidates (tune.py).
 
 The layer shape comes from the flags (tokens per MP group = --seq-length x --micro-batch-size)
-and the cluster from --moe-parm-cost-profile (a JSON profile; see cost_model.Profile) or, without
-one, cost_model.DEFAULT_PROFILE, whose numbers are assumed A100 figures, not measurements; the
-log says which was used and the predicted time of each candidate.
+and the cluster from --moe-parm-cost-profile (a JSON profile; see cost_profile.Profile) or,
+without one, cost_profile.DEFAULT_PROFILE, whose numbers are assumed A100 figures, not
+measurements; the log says which was used and the predicted time of each candidate.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from parm_trainer.planning.checks import local_first_applies
 from parm_trainer.moe.cost_model import CHUNK_CHOICES, price_schedules
 from parm_trainer.moe.cost_profile import load_profile, profile_source
 from parm_trainer.moe.cost_shape import layer_shape
-
+from parm_trainer.planning.checks import local_first_applies
 
 TUNE_DEPTHS = (1, 2, 4)
 LOCAL_FIRST_DEPTH = 2  # the depth at which start-up also times --moe-parm-local-first

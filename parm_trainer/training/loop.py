@@ -23,9 +23,11 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe import moe_utils
 
+from parm_trainer.errors import NonFiniteLossError
 from parm_trainer.layer_pattern import moe_layer_pattern
 from parm_trainer.models.config import num_moe_layers, transformer_config
 from parm_trainer.parallel import destroy_distributed, rank_device
+from parm_trainer.planning.paired_microbatches import not_applied as pairs_not_applied
 from parm_trainer.training import (async_save, checkpointing, faults, memory, memory_probe,
                                    microbatch_overlap, watchdog)
 from parm_trainer.training import timers as run_timers
@@ -35,7 +37,6 @@ from parm_trainer.training.expert_tokens import ExpertTokenCounter, format_exper
 from parm_trainer.training.flops import flops_per_iteration
 from parm_trainer.training.logger import MetricsLogger, print_rank_0, print_rank_last
 from parm_trainer.training.setup import build_model, build_optimizer, wire_config
-from parm_trainer.errors import NonFiniteLossError
 
 MOE_LOSS_NAMES = ("load_balancing_loss", "seq_load_balancing_loss",
                   "global_load_balancing_loss", "z_loss")
@@ -127,7 +128,7 @@ class Trainer:
         self.expert_tokens = (ExpertTokenCounter(self.model, args.num_layers, args.num_experts)
                               if self.num_moe_layers else None)
         self.flops = flops_per_iteration(args)
-        why = microbatch_overlap.not_applied(args)
+        why = pairs_not_applied(args)
         if args.overlap_moe_expert_parallel_comm and why:
             print_rank_0(f"--overlap-moe-expert-parallel-comm: one micro-batch at a time here: "
                          f"{why}")

@@ -35,7 +35,7 @@ from megatron.core.pipeline_parallel.schedules import backward_step, forward_ste
 from megatron.core.utils import get_model_config, get_model_type
 
 from parm_trainer.moe.turns import Turns
-from parm_trainer.planning.paired_microbatches import IN_FLIGHT, not_applied  # noqa: F401
+from parm_trainer.planning.paired_microbatches import IN_FLIGHT, not_applied
 
 _TURNS = Turns(IN_FLIGHT)  # its threads start at the first pair and are kept
 

@@ -255,34 +255,12 @@ def last_line(output: str) -> str:
     return next(line for line in reversed(output.splitlines()) if line.strip())
 
 
-# The end of a run_rank_workers script that defines main(report) and HANG_S: main runs under a
-# hang watch (after HANG_S seconds every thread's stack goes to stacks<R>.txt and the rank
-# exits), and its report goes to rank<R>.json, with the traceback of what it raised.
-RANK_MAIN = r'''
-import faulthandler as _faulthandler, json as _json, os as _os, sys as _sys
-import traceback as _traceback
-_STACKS = open(_os.path.join(_sys.argv[1], f"stacks{_os.environ['RANK']}.txt"), "w")
-_faulthandler.dump_traceback_later(HANG_S, exit=True, file=_STACKS)
-report = {"rank": int(_os.environ["RANK"]), "checks": 0, "failures": []}
-try:
-    main(report)
-except Exception:
-    report["failures"].append(_traceback.format_exc())
-with open(_os.path.join(_sys.argv[1], f"rank{report['rank']}.json"), "w") as _f:
-    _json.dump(report, _f)
-if report["failures"]:
-    _os._exit(1)
-_faulthandler.cancel_dump_traceback_later()
-'''
-
-
-def run_rank_workers(tmp_path: Path, source: str, nproc: int, timeout: float) -> list:
-    """Run `source` as a script on nproc ranks (argv[1]: tmp_path, where each rank writes
-    rank<R>.json {"rank", "checks", "failures"} and, if it hangs, its threads' stacks to
-    stacks<R>.txt); fail on a hang, on any rank's failures or a non-zero exit; return the
-    reports, by rank."""
-    script = tmp_path / "worker.py"
-    script.write_text(source)
+def run_rank_workers(tmp_path: Path, worker: str, nproc: int, timeout: float) -> list:
+    """Run tests/<worker> (a worker_*.py module ending in rank_main.run) on nproc ranks
+    (argv[1]: tmp_path, where each rank writes rank<R>.json {"rank", "checks", "failures"}
+    and, if it hangs, its threads' stacks to stacks<R>.txt); fail on a hang, on any rank's
+    failures or a non-zero exit; return the reports, by rank."""
+    script = ROOT / "tests" / worker
     status, output = torchrun(["--nproc-per-node", nproc, "--master-port", free_port(), script,
                                tmp_path], timeout=timeout)
     stacks = "".join(path.read_text() for path in sorted(tmp_path.glob("stacks*.txt")))

@@ -18,14 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RANK_MAIN, launch, max_relative, run_rank_workers, tiny_gpt_args
+from conftest import launch, max_relative, run_rank_workers, tiny_gpt_args
 
-WORKER = (Path(__file__).parent / "worker_moe_features.py").read_text()
 
 
 def test_features_equal_megatrons_layer_on_four_ranks(tmp_path):
-    source = f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n" + WORKER
-    reports = run_rank_workers(tmp_path, source + RANK_MAIN, 4, timeout=900)
+    reports = run_rank_workers(tmp_path, "worker_moe_features.py", 4, timeout=900)
     assert len(reports) == 4
     cases = reports[0]["cases"]
     assert len(set(cases)) == len(cases) > 300, len(cases)
@@ -43,8 +41,7 @@ def test_the_blocks_equal_megatrons_layer_on_1_2_and_8_ranks(tmp_path, world, le
     """One rank (every feature), and on 2 ranks (MP 1 x EP 2, MP 2 x ESP 2 with SP, MP 2 x EP
     2) and 8 (MP 2 x EP 2 x ESP 2 with SP, MP 1 x EP 8) the DeepSeek-V3-like set, dropless and
     with a capacity factor, and the gated shared expert."""
-    source = f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n" + WORKER
-    reports = run_rank_workers(tmp_path, source + RANK_MAIN, world, timeout=900)
+    reports = run_rank_workers(tmp_path, "worker_moe_features.py", world, timeout=900)
     cases = reports[0]["cases"]
     assert len(reports) == world and len(set(cases)) == len(cases) >= least, len(cases)
     assert any(example in case for case in cases), example

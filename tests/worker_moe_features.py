@@ -229,3 +229,13 @@ def main(report):
     check_expert_bias(report, world)
     if world in (1, 4):
         check_forced_balancing(report, world)
+
+
+if __name__ == "__main__":
+    import os.path
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/: rank_main
+    import rank_main
+
+    rank_main.run(main, HANG_S)

@@ -273,11 +273,10 @@ class ExactExchange:
 
     def dispatch(self, tokens, probs, routing_map):
         """Mark the kept (token, expert) pairs: all of them dropless, else those within the
-        capacity of one gate call (layer.capacity). No routing is left for the combine."""
+        capacity of one gate call (layer.slots). No routing is left for the combine."""
         keep = routing_map
         if self.layer.config.moe_expert_capacity_factor is not None:
-            position = torch.cumsum(routing_map.to(torch.int64), dim=0) - 1
-            keep = routing_map & (position < self.layer.capacity(routing_map))
+            _, _, keep = self.layer.slots(routing_map)
         return route(tokens, probs, keep), None
 
     def split_capacity(self, routed: Routed) -> Routed:

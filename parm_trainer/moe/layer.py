@@ -180,6 +180,13 @@ class ParmMoELayer(MegatronModule):
             capacity = math.ceil(capacity / self.mp_size) * self.mp_size
         return capacity
 
+    def slots(self, routing_map) -> tuple:
+        """(capacity C, each (token, expert) pair's position in its expert's queue, the pairs
+        kept: those within C), for one gate call."""
+        capacity = self.capacity(routing_map)
+        position = torch.cumsum(routing_map.to(torch.int64), dim=0) - 1
+        return capacity, position, routing_map & (position < capacity)
+
     def expert(self, x):
         """x: (E, c, M), dim 0 = EP blocks of this rank's local experts -> same shape, partial
         sums over ESP (the expert's row-parallel fc2 leaves the reduction to the schedule)."""

@@ -1,6 +1,6 @@
 """The padded exchange (--moe-parm-exchange padded, and always the baseline's dispatch and
 combine): tokens dispatched into the fixed (E, C, M) layout of PARM.md, C the capacity of one gate
-call (layer.capacity), the capacity slots split over MP by s2, exchanged in the layer's pieces,
+call (layer.slots), the capacity slots split over MP by s2, exchanged in the layer's pieces,
 and combined with the routing probabilities. The exact exchange (exchange.py) has the same four
 methods; ParmMoELayer builds one of the two and its executor calls them.
 """
@@ -30,9 +30,7 @@ class PaddedExchange:
     def dispatch(self, tokens, probs, routing_map):
         """tokens (n, M) -> ((E, C, M) slots, Routing); a pair past the capacity is dropped."""
         experts = self.layer.num_experts
-        capacity = self.layer.capacity(routing_map)
-        position = torch.cumsum(routing_map.to(torch.int64), dim=0) - 1
-        keep = routing_map & (position < capacity)
+        capacity, position, keep = self.layer.slots(routing_map)
         token_index, expert_index = keep.nonzero(as_tuple=True)
         slot = expert_index * capacity + position[token_index, expert_index]
         dispatched = tokens.new_zeros(experts * capacity, tokens.shape[-1])

@@ -61,7 +61,6 @@ class Deferred:
 
     def __init__(self, module, hidden_states, overlap: bool):
         self.module, self.input, self.output = module, hidden_states, None
-        self.overlap = overlap
         self.graph_output = self.detached = None  # the overlapped shared expert's own graph
         if module is not None and not overlap:
             self.output = module(hidden_states)

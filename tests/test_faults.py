@@ -174,21 +174,29 @@ def test_a_launch_whose_rendezvous_hung_runs_once_more(tmp_path):
     """The tests' launcher forks the ranks from torchrun's agent, and a forked rank can hang
     making its store client (tests/torchrun_server.py, watch_rendezvous): such a rank says so
     and exits, and conftest.torchrun runs the launch once more, once. Here every rank reports
-    the hang at once (PARM_TEST_RENDEZVOUS_HANG_S=0) while a flag file is absent; a launch
-    that hangs twice fails."""
+    the hang at once (PARM_TEST_RENDEZVOUS_HANG_S=0) while a flag file is absent, in the store
+    the project makes under torchrun (parallel._attempt_store); a launch that hangs twice, in
+    torch's own env:// store, fails."""
     from conftest import RERUN_NOTE
     from torchrun_server import RENDEZVOUS_HUNG
 
     flag = tmp_path / "hung_once"
-    script = tmp_path / "init.py"
+    script = tmp_path / "init.py"  # the store as torch's env:// makes it
     script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n"
                       "dist.barrier()\nprint('rank', dist.get_rank(), 'past init')\n")
+    project = tmp_path / "init_project.py"  # the store as the project makes it under torchrun
+    project.write_text("import datetime\nimport torch.distributed as dist\n"
+                       "from parm_trainer import parallel\n"
+                       "store = parallel._attempt_store(datetime.timedelta(minutes=1))\n"
+                       "assert store, 'not the agent store path'\n"
+                       "dist.init_process_group('gloo', **store)\n"
+                       "dist.barrier()\nprint('rank', dist.get_rank(), 'past init')\n")
     launcher = tmp_path / "launcher.py"  # the hang on the first launch only
     launcher.write_text(f"import os, runpy\nflag = {str(flag)!r}\n"
                         "if os.environ['RANK'] == '1' and not os.path.exists(flag):\n"
                         "    open(flag, 'w').close()\n"
                         "    os.environ['PARM_TEST_RENDEZVOUS_HANG_S'] = '0'\n"
-                        f"runpy.run_path({str(script)!r}, run_name='__main__')\n")
+                        f"runpy.run_path({str(project)!r}, run_name='__main__')\n")
     status, output = torchrun(["--nproc-per-node", 2, "--master-port", free_port(), launcher],
                               timeout=120)
     assert RENDEZVOUS_HUNG in output and RERUN_NOTE in output, output[-3000:]

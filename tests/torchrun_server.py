@@ -56,32 +56,39 @@ def watch_rendezvous() -> None:
     plain torchrun spawns them) inherit a process whose other threads were running, the agent's
     store server among them; rarely (1 launch in about 200 of a 4-rank test) a rank then hangs
     making its client of that store, at init_process_group, while the others wait for it in
-    gloo's connect. Each rank forked from here watches that step: past RENDEZVOUS_HANG_S it
-    prints RENDEZVOUS_HUNG and exits, so the launch fails at once instead of at its timeout,
-    with nothing of the test's script run beyond its init_process_group call.
+    gloo's connect. Each rank forked from here watches that step, in both places a store client
+    is made (torch's env:// rendezvous, and parallel._attempt_store, the project's own under
+    torchrun): past RENDEZVOUS_HANG_S it prints RENDEZVOUS_HUNG and exits, so the launch fails
+    at once instead of at its timeout, with nothing of the test's script run beyond its store.
     PARM_TEST_RENDEZVOUS_HANG_S in a launch's environment sets the limit (0: hung at once)."""
     import importlib
 
-    rendezvous = importlib.import_module("torch.distributed.rendezvous")  # the module, not
-    create = rendezvous._create_c10d_store  # torch.distributed.rendezvous, the function
+    from parm_trainer import parallel
 
     def hung() -> None:
         os.write(2, f"\n{RENDEZVOUS_HUNG}\n".encode())
         os._exit(RENDEZVOUS_HUNG_EXIT)
 
-    def watched(*args, **kwargs):
-        limit = float(os.environ.get("PARM_TEST_RENDEZVOUS_HANG_S", RENDEZVOUS_HANG_S))
-        if limit <= 0:  # the tests of this path: every rank reports a hang at once
-            hung()
-        timer = threading.Timer(limit, hung)
-        timer.daemon = True
-        timer.start()
-        try:
-            return create(*args, **kwargs)
-        finally:
-            timer.cancel()
+    def watch(owner, name: str) -> None:
+        create = getattr(owner, name)
 
-    rendezvous._create_c10d_store = watched
+        def watched(*args, **kwargs):
+            limit = float(os.environ.get("PARM_TEST_RENDEZVOUS_HANG_S", RENDEZVOUS_HANG_S))
+            if limit <= 0:  # the tests of this path: every rank reports a hang at once
+                hung()
+            timer = threading.Timer(limit, hung)
+            timer.daemon = True
+            timer.start()
+            try:
+                return create(*args, **kwargs)
+            finally:
+                timer.cancel()
+
+        setattr(owner, name, watched)
+
+    # the module torch.distributed.rendezvous, not the function of that name in torch.distributed
+    watch(importlib.import_module("torch.distributed.rendezvous"), "_create_c10d_store")
+    watch(parallel, "_attempt_store")
 
 
 def run_launch(request: dict) -> None:

@@ -149,6 +149,7 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.alone  # the stretches are GEMMs timed against the cores' own speed
 def test_wait_at_a_call_is_measured_in_each_nodes_group(tmp_path):
     """On 2 nodes x 2 ranks the wait is measured in the groups where MP collectives run (each
     node's ranks, both at once), not across the node link: 3 collectives x 3 stretches of

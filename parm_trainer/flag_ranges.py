@@ -1,4 +1,4 @@
-"""Every numeric flag's range, checked before the process groups start (arguments.py).
+"""Every numeric flag's range, checked before the process groups start (arguments/checks.py).
 
 One row per flag (its argparse dest): the lowest and highest value it takes and whether each
 bound is itself allowed; None for no bound. A value outside, NaN, or an infinite float is

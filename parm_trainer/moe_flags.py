@@ -4,7 +4,7 @@ expert bias, group-limited top-k and scaling, its dtype, forced balancing, per-l
 Each keeps Megatron-LM's name, type and default (megatron/training/arguments.py) and maps to
 the TransformerConfig field of the same name (models/config.py). `problem(args)` is the first
 impossible combination megatron-core's TransformerConfig (or its router) would refuse, as one
-line, or None; arguments.py raises it before any process group starts.
+line, or None; arguments/checks.py raises it before any process group starts.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Flag parsing (parm_trainer/arguments.py) in one process: derived defaults, contradictions,
+"""Flag parsing (parm_trainer/arguments/) in one process: derived defaults, contradictions,
 and --help (every flag with its help)."""
 
 import argparse

@@ -1,27 +1,18 @@
-"""Command-line flags, with Megatron-LM's names, parsed into one typed namespace.
-
-    python pretrain_gpt_moe.py --help
-
-Every flag keeps the spelling Megatron-LM users know (--tensor-model-parallel-size,
---expert-tensor-parallel-size, --moe-router-topk, ...). `parse_args` returns an
-argparse.Namespace with derived fields filled in (data-parallel size, number of micro-batches);
-`transformer_config(args)` turns it into megatron-core's TransformerConfig.
-"""
+"""Every flag, with Megatron-LM's name, meaning and default, in argparse groups (model, mixture
+of experts, parallelism, training, data, evaluation/checkpoints/logging; BERT's on request),
+and the parser that holds them."""
 
 from __future__ import annotations
 
 import argparse
-import math
-import os
-import re
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
-import torch
-
-from parm_trainer import error_line, flag_ranges, moe_flags
+from parm_trainer import error_line, moe_flags
 from parm_trainer.layer_pattern import moe_layer_freq
-from parm_trainer.errors import ArgumentsError
+
+# signals --exit-signal-handler can catch (Megatron-LM takes any name of signal.Signals)
+EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
 
 
 def _model_group(parser):
@@ -321,93 +312,6 @@ def add_bert_args(parser):
                    help="Probability of a sample shorter than --seq-length.")
 
 
-def model_argument_names() -> set:
-    """The flags (as attribute names) that define a model and its tokenizer: what a checkpoint's
-    run.json gives the tools that rebuild it. The MoE schedule flags are not among them."""
-    parser = build_parser()
-    names = {"tokenizer_type"}
-    for group in parser._action_groups:
-        if group.title in ("model", "mixture of experts"):
-            names |= {action.dest for action in group._group_actions}
-    return {name for name in names if not name.startswith("moe_parm")}
-
-
-def command_line(values: dict, extra_args_provider=None) -> list:
-    """The flags that give these attribute values (those that differ from the defaults)."""
-    flags = []
-    for action in build_parser(extra_args_provider)._actions:
-        if action.dest not in values or not action.option_strings:
-            continue
-        value, option = values[action.dest], action.option_strings[0]
-        if isinstance(action, argparse._StoreTrueAction):
-            flags += [option] if value else []
-        elif isinstance(action, argparse._StoreFalseAction):
-            flags += [] if value else [option]
-        elif action.type is moe_layer_freq and isinstance(value, list):  # as the parser reads it
-            flags += [option, "[" + ",".join(map(str, value)) + "]"]
-        elif value is not None and value != action.default:
-            flags += [option, str(value)]
-    return flags
-
-
-
-
-# signals --exit-signal-handler can catch (Megatron-LM takes any name of signal.Signals)
-EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
-
-
-def _check(args) -> None:
-    if (out_of_range := flag_ranges.problem(args)) is not None:  # every numeric flag's range
-        raise ArgumentsError(out_of_range)
-    if args.lr_warmup_iters and args.lr_warmup_iters >= args.lr_decay_iters:
-        raise ArgumentsError(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than "
-                             f"--lr-decay-iters {args.lr_decay_iters} (default --train-iters)")
-    if args.use_distributed_optimizer and args.optimizer != "adam":
-        raise ArgumentsError("--use-distributed-optimizer supports --optimizer adam only")
-    if not 0 <= args.min_lr <= args.lr:
-        raise ArgumentsError(f"--min-lr {args.min_lr} must be between 0 and --lr {args.lr}")
-    _check_backend(args)
-    if (moe_problem := moe_flags.problem(args)) is not None:
-        raise ArgumentsError(moe_problem)
-    if not _split_is_valid(args.split):
-        raise ArgumentsError(f"--split {args.split!r} must be up to three non-negative "
-                             f"train,valid,test proportions with a positive sum, e.g. 969,30,1")
-
-
-def _check_backend(args) -> None:
-    """--transformer-impl and --moe-grouped-gemm ask for libraries a machine may not have."""
-    from parm_trainer.models.backend import installed as _installed
-
-    te = args.transformer_impl == "transformer_engine"
-    if te and not _installed("transformer_engine"):
-        raise ArgumentsError("--transformer-impl transformer_engine: Transformer Engine is not "
-                             "installed (pip install transformer_engine[pytorch] on a GPU "
-                             "machine); --transformer-impl local runs everywhere")
-    if te and not torch.cuda.is_available():
-        raise ArgumentsError("--transformer-impl transformer_engine needs CUDA GPUs; "
-                             "--transformer-impl local runs on CPU")
-    if args.moe_grouped_gemm and args.num_experts and not te:
-        for missing, flag in ((not args.bf16, "--bf16"),
-                              (not args.disable_bias_linear, "--disable-bias-linear")):
-            if missing:
-                raise ArgumentsError(f"--moe-grouped-gemm with --transformer-impl local runs "
-                                     f"megatron-core's GroupedMLP, which needs {flag}")
-        if torch.cuda.is_available() and not _installed("grouped_gemm"):
-            raise ArgumentsError("--moe-grouped-gemm needs Transformer Engine (--transformer-impl"
-                                 " transformer_engine) or the grouped_gemm package "
-                                 "(pip install git+https://github.com/fanshiqing/grouped_gemm)")
-
-
-def _split_is_valid(split: str) -> bool:
-    """Whether --split is 1 to 3 non-negative numbers with a positive sum. megatron-core keeps
-    only its digits and dots, so it would read '100,-1,1' as 100,1,1 and '1,x' as 1,0,0."""
-    try:
-        values = [float(part) for part in re.split(r"[,/\s]+", split.strip())]
-    except ValueError:
-        return False
-    return 1 <= len(values) <= 3 and all(0 <= v < math.inf for v in values) and sum(values) > 0
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse's parser; under the project's launcher its error line goes to the launcher,
     which prints it last (error_line.py), after the usage."""
@@ -429,29 +333,3 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     if extra_args_provider is not None:
         extra_args_provider(parser)
     return parser
-
-
-def parse_args(argv: Optional[Sequence[str]] = None, extra_args_provider=None,
-               world_size: Optional[int] = None) -> argparse.Namespace:
-    """Parse flags and fill in defaults that depend on other flags and the world size."""
-    args = build_parser(extra_args_provider).parse_args(argv)
-    args.world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    if args.ffn_hidden_size is None:  # `is None`: a 0 given is refused, not replaced
-        args.ffn_hidden_size = 4 * args.hidden_size
-    if args.moe_ffn_hidden_size is None:
-        args.moe_ffn_hidden_size = args.ffn_hidden_size
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
-    if args.expert_tensor_parallel_size is None:
-        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.watchdog_timeout_minutes is None:
-        args.watchdog_timeout_minutes = args.distributed_timeout_minutes
-    if args.distributed_backend is None:
-        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
-    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32
-    if args.moe_pad_expert_input_to_capacity:  # Megatron-LM's flag: experts padded to capacity
-        args.moe_parm_exchange = "padded"
-    _check(args)
-    return args

@@ -1,0 +1,64 @@
+"""The checks of parsed flags that need no process group: ranges, flags that exclude each other,
+and the libraries a flag asks for. Each problem is one ArgumentsError line."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+from parm_trainer import flag_ranges, moe_flags
+from parm_trainer.errors import ArgumentsError
+
+
+def check(args) -> None:
+    if (out_of_range := flag_ranges.problem(args)) is not None:  # every numeric flag's range
+        raise ArgumentsError(out_of_range)
+    if args.lr_warmup_iters and args.lr_warmup_iters >= args.lr_decay_iters:
+        raise ArgumentsError(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than "
+                             f"--lr-decay-iters {args.lr_decay_iters} (default --train-iters)")
+    if args.use_distributed_optimizer and args.optimizer != "adam":
+        raise ArgumentsError("--use-distributed-optimizer supports --optimizer adam only")
+    if not 0 <= args.min_lr <= args.lr:
+        raise ArgumentsError(f"--min-lr {args.min_lr} must be between 0 and --lr {args.lr}")
+    _check_backend(args)
+    if (moe_problem := moe_flags.problem(args)) is not None:
+        raise ArgumentsError(moe_problem)
+    if not _split_is_valid(args.split):
+        raise ArgumentsError(f"--split {args.split!r} must be up to three non-negative "
+                             f"train,valid,test proportions with a positive sum, e.g. 969,30,1")
+
+
+def _check_backend(args) -> None:
+    """--transformer-impl and --moe-grouped-gemm ask for libraries a machine may not have."""
+    from parm_trainer.models.backend import installed as _installed
+
+    te = args.transformer_impl == "transformer_engine"
+    if te and not _installed("transformer_engine"):
+        raise ArgumentsError("--transformer-impl transformer_engine: Transformer Engine is not "
+                             "installed (pip install transformer_engine[pytorch] on a GPU "
+                             "machine); --transformer-impl local runs everywhere")
+    if te and not torch.cuda.is_available():
+        raise ArgumentsError("--transformer-impl transformer_engine needs CUDA GPUs; "
+                             "--transformer-impl local runs on CPU")
+    if args.moe_grouped_gemm and args.num_experts and not te:
+        for missing, flag in ((not args.bf16, "--bf16"),
+                              (not args.disable_bias_linear, "--disable-bias-linear")):
+            if missing:
+                raise ArgumentsError(f"--moe-grouped-gemm with --transformer-impl local runs "
+                                     f"megatron-core's GroupedMLP, which needs {flag}")
+        if torch.cuda.is_available() and not _installed("grouped_gemm"):
+            raise ArgumentsError("--moe-grouped-gemm needs Transformer Engine (--transformer-impl"
+                                 " transformer_engine) or the grouped_gemm package "
+                                 "(pip install git+https://github.com/fanshiqing/grouped_gemm)")
+
+
+def _split_is_valid(split: str) -> bool:
+    """Whether --split is 1 to 3 non-negative numbers with a positive sum. megatron-core keeps
+    only its digits and dots, so it would read '100,-1,1' as 100,1,1 and '1,x' as 1,0,0."""
+    try:
+        values = [float(part) for part in re.split(r"[,/\s]+", split.strip())]
+    except ValueError:
+        return False
+    return 1 <= len(values) <= 3 and all(0 <= v < math.inf for v in values) and sum(values) > 0

@@ -21,7 +21,7 @@ import torch
 
 from parm_trainer.arguments import model_argument_names, parse_args
 from parm_trainer.parallel import rank_device
-from parm_trainer.training import checkpoint_files as files
+from parm_trainer.training.checkpoint import files
 
 
 def _own_flags(argv):
@@ -141,7 +141,7 @@ def main(argv=None) -> None:
     from parm_trainer.errors import LayoutError
     from parm_trainer.planning.checks import validate_layout
     from parm_trainer.parallel import destroy_distributed, initialize_distributed
-    from parm_trainer.training.checkpointing import load_checkpoint
+    from parm_trainer.training.checkpoint import load_checkpoint
     from parm_trainer.training.initialize import user_errors
 
     with user_errors():

@@ -20,8 +20,8 @@ import pytest
 import parm_trainer
 from conftest import (ROOT, assert_clean_failure, free_port, launch, launch_sh_until, max_relative,
                       tiny_gpt_args)
-from parm_trainer.training.checkpoint_files import TRACKER
-from parm_trainer.training.checkpointing import read_description
+from parm_trainer.training.checkpoint.files import TRACKER
+from parm_trainer.training.checkpoint import read_description
 
 
 LAYOUT = {"tensor-model-parallel-size": 2, "expert-model-parallel-size": 2,

@@ -199,26 +199,26 @@ def test_layers_per_virtual_stage_gives_v():
 def test_another_placement_is_another_layout_for_a_checkpoint(monkeypatch):
     """The stages are part of the layout a checkpoint records: under another placement the RNG
     streams start afresh and megatron's dp_reshardable optimizer state is refused."""
-    from parm_trainer.training import checkpointing
-    from parm_trainer.training.checkpoint_files import CheckpointError
+    from parm_trainer.training.checkpoint import load
+    from parm_trainer.training.checkpoint.files import CheckpointError
 
     sizes = {"tp": 1, "pp": 2, "dp": 1, "ep": 1, "esp": 1, "world": 2}
-    monkeypatch.setattr(checkpointing, "layout", lambda: {**sizes, "stages": "Ettt|ttttL"})
-    monkeypatch.setattr(checkpointing, "is_distributed", lambda optimizer: True)
+    monkeypatch.setattr(load, "layout", lambda: {**sizes, "stages": "Ettt|ttttL"})
+    monkeypatch.setattr(load, "is_distributed", lambda optimizer: True)
     saved = {"layout": {**sizes, "stages": "Ett|tt|tt|tL"}, "distributed_optimizer": True}
-    monkeypatch.setattr(checkpointing, "_content_metadata",
+    monkeypatch.setattr(load, "_content_metadata",
                         lambda common: {"distrib_optim_sharding_type": "fully_reshardable"})
-    load_optimizer, with_rng, notes = checkpointing._what_to_load(saved, "ckpt", None, True, True)
+    load_optimizer, with_rng, notes = load.what_to_load(saved, "ckpt", None, True, True)
     assert load_optimizer and not with_rng
     assert notes == ["RNG streams not restored: the checkpoint was saved under TP1 PP2 DP1 EP1 "
                      "ESP1 stages Ett|tt|tt|tL, this run is TP1 PP2 DP1 EP1 ESP1 stages "
                      "Ettt|ttttL; dropout streams start afresh from --seed"]
-    monkeypatch.setattr(checkpointing, "_content_metadata",
+    monkeypatch.setattr(load, "_content_metadata",
                         lambda common: {"distrib_optim_sharding_type": "dp_reshardable"})
     with pytest.raises(CheckpointError, match="dp_reshardable format under TP1 PP2 DP1 EP1 ESP1 "
                                               r"stages Ett\|tt\|tt\|tL, which loads only"):
-        checkpointing._what_to_load(saved, "ckpt", None, True, True)
+        load.what_to_load(saved, "ckpt", None, True, True)
     # the even split records nothing: a checkpoint from before stages were recorded matches
-    monkeypatch.setattr(checkpointing, "layout", lambda: dict(sizes))
-    assert checkpointing._what_to_load({"layout": sizes, "distributed_optimizer": True}, "ckpt",
-                                       None, True, True)[:2] == (True, True)
+    monkeypatch.setattr(load, "layout", lambda: dict(sizes))
+    assert load.what_to_load({"layout": sizes, "distributed_optimizer": True}, "ckpt",
+                              None, True, True)[:2] == (True, True)

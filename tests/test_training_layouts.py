@@ -16,7 +16,7 @@ from conftest import ROOT, launch, max_relative, tiny_gpt_args
 from parm_trainer import plots
 from parm_trainer.moe import step_timing
 from parm_trainer.moe.schedules import build_plan
-from parm_trainer.training.checkpoint_files import TRACKER
+from parm_trainer.training.checkpoint.files import TRACKER
 
 TP2_EP2_ESP2_SP = {"tensor-model-parallel-size": 2, "expert-model-parallel-size": 2,
                    "expert-tensor-parallel-size": 2, "sequence-parallel": True}

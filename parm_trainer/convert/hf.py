@@ -26,7 +26,7 @@ from parm_trainer.convert.hf_tokenizer import save_hf_tokenizer
 from parm_trainer.convert import mixtral, qwen2_moe
 from parm_trainer.convert.decoder import (check_exportable, from_hf, hf_names, legacy_keys,
                                           shape_of_args, to_hf)
-from parm_trainer.training import checkpoint_files as files
+from parm_trainer.training.checkpoint import files
 
 TARGETS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe}  # config.json's model_type -> module
 
@@ -67,11 +67,11 @@ def load_one_rank(load_dir: str, **overrides):
     description = files.read_description(path)
     tokenizer = os.path.join(path, files.TOKENIZER)
     from parm_trainer.convert.single_process import build_one_rank_model, one_rank_args
-    from parm_trainer.training import checkpointing  # torch, megatron-core: when needed
+    from parm_trainer.training import checkpoint  # torch, megatron-core: when needed
 
     args = one_rank_args(description["args"], tokenizer_model=tokenizer, **overrides)
     model = build_one_rank_model(args)
-    checkpointing.load_checkpoint(load_dir, [model], None, None, load_optimizer=False,
+    checkpoint.load_checkpoint(load_dir, [model], None, None, load_optimizer=False,
                                   load_rng=False)
     return model, tokenizer
 
@@ -204,7 +204,7 @@ def import_from_hf(load_dir: str, save_dir: str, tokenizer_model: str | None = N
     from parm_trainer.arguments import command_line
     from parm_trainer.convert.single_process import build_one_rank_model, close, one_rank_args
     from parm_trainer.models.config import padded_vocab_size
-    from parm_trainer.training import checkpointing
+    from parm_trainer.training import checkpoint
 
     try:
         sp_vocab = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model).vocab_size()
@@ -230,7 +230,7 @@ def import_from_hf(load_dir: str, save_dir: str, tokenizer_model: str | None = N
                                    f"such): the weights do not fit config.json")
             _fill(model, from_hf(tensors, shape, target.TARGET, padded), tensors,
                   hf_names(shape, target.TARGET))
-            checkpointing.save_checkpoint(out, 0, [model], None, None, 0, args)
+            checkpoint.save_checkpoint(out, 0, [model], None, None, 0, args)
         finally:
             close()
     return "pretrain_gpt_moe.py", command_line(values) + [
@@ -242,7 +242,7 @@ def _import_bert(load_dir: str, save_dir: str, config: dict, tokenizer_model) ->
     from parm_trainer.arguments import add_bert_args, command_line
     from parm_trainer.convert.bert import bert_model_args
     from parm_trainer.convert.single_process import build_one_rank_model, close
-    from parm_trainer.training import checkpointing
+    from parm_trainer.training import checkpoint
 
     tokenizer_model = tokenizer_model or os.path.join(load_dir, "tokenizer.model")
     tensors = _read_safetensors(load_dir)
@@ -257,7 +257,7 @@ def _import_bert(load_dir: str, save_dir: str, config: dict, tokenizer_model) ->
                     side = "the directory" if theirs is tensors else "the model"
                     raise ConvertError(f"{missing[0]} is not in {side} ({len(missing)} such)")
             _copy_into(own, tensors, "the directory")
-            checkpointing.save_checkpoint(out, 0, [model], None, None, 0, args)
+            checkpoint.save_checkpoint(out, 0, [model], None, None, 0, args)
         finally:
             close()
     flags = {k: v for k, v in config["model_flags"].items() if k != "padded_vocab_size"}

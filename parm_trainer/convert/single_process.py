@@ -1,7 +1,7 @@
 """The project's model on one process, no GPU: what the converters read and write through.
 
 A checkpoint of any layout loads into the one-rank model through the same strict
-dist_checkpointing path as training (parm_trainer.training.checkpointing), so every tensor
+dist_checkpointing path as training (parm_trainer.training.checkpoint), so every tensor
 arrives whole; a model built here and saved is a checkpoint that any layout loads.
 """
 

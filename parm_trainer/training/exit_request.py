@@ -7,7 +7,7 @@ all-reduce (MAX of: a signal noted, this rank's minutes since the process starte
 --exit-duration-in-mins); if any rank says so, every rank leaves the loop at that same
 iteration, saves a checkpoint there and the job exits 0. The handler stays installed through
 the save, so a second signal changes nothing, and a save is written whole or not at all
-(checkpointing.py), so one cut short by SIGKILL leaves the previous checkpoint as it was.
+(checkpoint/save.py), so one cut short by SIGKILL leaves the previous checkpoint as it was.
 """
 
 from __future__ import annotations

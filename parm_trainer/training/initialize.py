@@ -48,7 +48,7 @@ def _check_inputs(args) -> None:
         if path and os.path.exists(path) and not os.path.isdir(path):
             raise InputError(f"--{flag.replace('_', '-')} {path} is not a directory")
     if args.load and os.path.isdir(args.load):
-        from parm_trainer.training.checkpoint_files import CheckpointError, read_tracker
+        from parm_trainer.training.checkpoint.files import CheckpointError, read_tracker
 
         try:  # now, on every rank alike, rather than after the model is built
             read_tracker(args.load)

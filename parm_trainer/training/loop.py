@@ -28,8 +28,9 @@ from parm_trainer.layer_pattern import moe_layer_pattern
 from parm_trainer.models.config import num_moe_layers, transformer_config
 from parm_trainer.parallel import destroy_distributed, rank_device
 from parm_trainer.planning.paired_microbatches import not_applied as pairs_not_applied
-from parm_trainer.training import (async_save, checkpointing, faults, memory, memory_probe,
-                                   microbatch_overlap, watchdog)
+from parm_trainer.training import (checkpoint, faults, memory, memory_probe, microbatch_overlap,
+                                   watchdog)
+from parm_trainer.training.checkpoint import async_save
 from parm_trainer.training import timers as run_timers
 from parm_trainer.training.data import cycle, micro_batch_iterator
 from parm_trainer.training.exit_request import ExitRequest
@@ -138,10 +139,10 @@ class Trainer:
 
     def _load(self):
         args = self.args
-        if checkpointing.read_tracker(args.load) is None:
+        if checkpoint.read_tracker(args.load) is None:
             print_rank_0(f"no checkpoint in --load {args.load}: starting from scratch")
             return
-        self.iteration, self.consumed, notes = checkpointing.load_checkpoint(
+        self.iteration, self.consumed, notes = checkpoint.load_checkpoint(
             args.load, self.model, self.optimizer, self.scheduler,
             load_optimizer=not (args.no_load_optim or args.finetune),
             load_rng=not (args.no_load_rng or args.finetune), fallback=args.ckpt_fallback)
@@ -241,7 +242,7 @@ class Trainer:
 
     def save(self):
         if self.args.save:
-            path, seconds = checkpointing.save_checkpoint(
+            path, seconds = checkpoint.save_checkpoint(
                 self.args.save, self.iteration, self.model, self.optimizer, self.scheduler,
                 self.consumed, self.args, background=self.background_saves)
             if self.background_saves is None:

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     from parm_trainer.convert.hf import ConvertError, export_to_hf, import_from_hf
     from parm_trainer.convert.hf_tokenizer import TokenizerNotExportable
     from parm_trainer.convert.decoder import NotExportable
-    from parm_trainer.training.checkpoint_files import CheckpointError
+    from parm_trainer.training.checkpoint.files import CheckpointError
 
     try:
         if (args.loader, args.saver) == ("parm", "hf"):

@@ -9,7 +9,7 @@ fork's copy-on-write memory holds the tensors as they were, on GPU megatron copi
 the host first. Training goes on; after every iteration BackgroundSaves.poll asks every rank
 (one all-reduce, only while a save is out) whether all have finished writing, and once they
 have, finalises the save exactly as a synchronous one: every rank's verdict, the rename of the
-temporary directory, the tracker (checkpointing.py). wait() forces that before the next save,
+temporary directory, the tracker (save.py). wait() forces that before the next save,
 at the end of training and before an error exit that every rank takes (a NaN loss).
 
 Every forked writer dies with the rank that started it (PR_SET_PDEATHSIG), so a rank killed

@@ -2,7 +2,7 @@
 
 torch's Adam keeps one `step` tensor per parameter; megatron-core's DistributedOptimizer
 state_dict and its sharded load formats expect Apex's fused Adam (one common step, restored by
-the optimizer). The helpers here bridge the two for checkpointing.py: they read the step, put
+the optimizer). The helpers here bridge the two for save.py and load.py: they read the step, put
 placeholders in before a load, write the step back after it, and keep it out of the tensors
 megatron copies from a checkpoint.
 """

@@ -1,4 +1,4 @@
-"""tools/calibrate_comm.py (parm_trainer/bench/calibrate.py, calibration_report.py): one 2-rank
+"""tools/calibrate_comm.py (parm_trainer/bench/calibration/): one 2-rank
 gloo launch on a small size range writes a cost profile
 that Profile.from_json loads, whose alpha and beta for every kind are the least-squares fit of
 the points it reports (recomputed here), with each fit's r^2. No timing is asserted beyond that (CPU timings are noisy).
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from parm_trainer.bench import calibrate
+from parm_trainer.bench.calibration import collectives, fit
 from parm_trainer.moe.cost_profile import KINDS, Profile
 
 
@@ -67,7 +67,7 @@ def _check_fit(entry, alpha, beta):
     x, y = np.array(entry["points"], dtype=float).T
     slope, intercept = np.polyfit(x, y, 1)
     if entry["clamped"]:  # the unconstrained fit left the positive quadrant: one at its floor
-        assert alpha == calibrate.ALPHA_FLOOR or beta == calibrate.BETA_FLOOR, entry
+        assert alpha == fit.ALPHA_FLOOR or beta == fit.BETA_FLOOR, entry
     else:
         assert alpha == pytest.approx(intercept, rel=1e-6) and \
             beta == pytest.approx(slope, rel=1e-6), (entry, intercept, slope)
@@ -80,19 +80,18 @@ def test_groups_and_node_share():
     """Which groups each link class is measured on, and the factor from a rank's fitted
     bandwidth to its node's link: the ranks of a node sending at once, times the share of
     their peers on other nodes."""
-    from parm_trainer.bench import calibrate
 
     # 2 nodes x 2 ranks, groups of 2: pairs inside a node, pairs one node apart
-    groups = calibrate.calibration_groups(4, 2, 2)
+    groups = collectives.calibration_groups(4, 2, 2)
     assert groups == {"intra": [[0, 1], [2, 3]], "inter": [[0, 2], [1, 3]]}
-    assert calibrate.node_share(groups["inter"], 2) == 2.0   # both ranks of a node, all peers remote
-    assert calibrate.node_share(groups["intra"], 2) == 0.0
+    assert collectives.node_share(groups["inter"], 2) == 2.0   # both ranks of a node, all peers remote
+    assert collectives.node_share(groups["intra"], 2) == 0.0
     # the whole world of 2 x 4: 4 ranks per node at once, 4 of each rank's 7 peers remote
-    world = calibrate.calibration_groups(8, 4)
+    world = collectives.calibration_groups(8, 4)
     assert world["inter"] == [list(range(8))]
-    assert calibrate.node_share(world["inter"], 4) == pytest.approx(4 * 4 / 7)
-    assert calibrate.remote_peers(world["inter"], 4) == pytest.approx(4 / 7)
-    assert calibrate.remote_peers(groups["inter"], 2) == 1.0
+    assert collectives.node_share(world["inter"], 4) == pytest.approx(4 * 4 / 7)
+    assert collectives.remote_peers(world["inter"], 4) == pytest.approx(4 / 7)
+    assert collectives.remote_peers(groups["inter"], 2) == 1.0
 
 
 def test_inter_alltoall_beta_is_per_byte_that_crosses(tmp_path, capsys):
@@ -102,20 +101,19 @@ def test_inter_alltoall_beta_is_per_byte_that_crosses(tmp_path, capsys):
     fitted. Synthetic points, exact lines."""
     import argparse
 
-    from parm_trainer.bench import calibrate
-    from parm_trainer.bench.calibration_report import report
+    from parm_trainer.bench.calibration.report import report
     sizes = [2 ** 18 * 2 ** i for i in range(5)]
     line = lambda alpha, beta: [(b, alpha + b * beta) for b in sizes]  # noqa: E731
     measured = {link: (4 if link == "intra" else 8,
                        {kind: line(1e-4, (1e-8 if link == "inter" else 1e-9)) for kind in KINDS})
                 for link in ("intra", "inter")}
     local = {"compute": line(1e-5, 1e-11), "memory": line(1e-6, 1e-10)}
-    groups = calibrate.calibration_groups(8, 4)
+    groups = collectives.calibration_groups(8, 4)
     args = argparse.Namespace(sizes=sizes, repeats=3, warmup=1, name="t", require_r2=False,
                               output=str(tmp_path / "p.json"))
     assert report(args, "gloo", 8, 4, 2, measured, local,
-                       {link: calibrate.node_share(g, 4) for link, g in groups.items()},
-                       {link: calibrate.remote_peers(g, 4) for link, g in groups.items()}) == 0
+                       {link: collectives.node_share(g, 4) for link, g in groups.items()},
+                       {link: collectives.remote_peers(g, 4) for link, g in groups.items()}) == 0
     profile = Profile.from_json(str(tmp_path / "p.json"))
     assert profile.collectives["alltoall"]["inter"][1] == pytest.approx(1e-8 * 7 / 4)
     assert profile.collectives["allgather"]["inter"][1] == pytest.approx(1e-8)
@@ -125,7 +123,7 @@ def test_inter_alltoall_beta_is_per_byte_that_crosses(tmp_path, capsys):
 WAIT_SCRIPT = '''
 import statistics
 import torch, torch.distributed as dist
-from parm_trainer.bench import calibrate
+from parm_trainer.bench.calibration import waits
 dist.init_process_group("gloo")
 made = []
 enumerate_groups = dist.new_subgroups_by_enumeration
@@ -133,9 +131,9 @@ def recorded(ranks, **kwargs):
     made.append(ranks)
     return enumerate_groups(ranks, **kwargs)
 dist.new_subgroups_by_enumeration = recorded
-points = calibrate.measure_sync_wait(1, 0, torch.device("cpu"), 1, per_node=2, rounds=2)
-burst = calibrate.measure_burst(2, torch.device("cpu"), per_node=2, pause=0.01)
-one_node = calibrate.measure_burst(2, torch.device("cpu"), per_node=4)
+points = waits.measure_sync_wait(1, 0, torch.device("cpu"), 1, per_node=2, rounds=2)
+burst = waits.measure_burst(2, torch.device("cpu"), per_node=2, pause=0.01)
+one_node = waits.measure_burst(2, torch.device("cpu"), per_node=4)
 if dist.get_rank() == 0:
     # the points go round by round, collective by collective, stretch by stretch
     stretch = [statistics.median(c for i, (c, _) in enumerate(points) if i % 3 == k)
@@ -163,7 +161,7 @@ def test_wait_at_a_call_is_measured_in_each_nodes_group(tmp_path):
                               timeout=120)
     assert status == 0, output[-3000:]
     assert "groups [[[0, 1], [2, 3]]] points 18 ok True stretches True" in output
-    from parm_trainer.bench.calibrate import BURST_SIZES
+    from parm_trainer.bench.calibration.waits import BURST_SIZES
     assert f"burst sizes {list(BURST_SIZES)} timed True one node []" in output
 
 
@@ -171,7 +169,7 @@ def test_burst_is_read_from_sends_after_a_pause():
     """burst_from: a link that lets B bytes through at once after a pause saves B at the
     sustained rate on every send longer than B (exact synthetic lines); one that saves
     nothing has no burst; sends all inside the burst bound it from below."""
-    from parm_trainer.bench.calibrate import BURST_SIZES, burst_from
+    from parm_trainer.bench.calibration.waits import BURST_SIZES, burst_from
 
     def points(bucket):
         return [(b, 1e-4 + b * 4e-8, 1e-4 + max(0, b - bucket) * 4e-8) for b in BURST_SIZES]

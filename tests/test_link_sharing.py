@@ -98,7 +98,7 @@ def test_bad_sharing_entries_are_refused(entry, message):
 def test_report_records_links_flows_and_concurrency(tmp_path):
     """Synthetic measurements, exact lines: the AllReduce with 2 flows per node takes twice
     the 1-flow time per byte, so the node has 1 link; the world ring had 1 flow."""
-    from parm_trainer.bench.calibration_report import report
+    from parm_trainer.bench.calibration.report import report
     sizes = [2 ** 18 * 2 ** i for i in range(4)]
     line = lambda alpha, beta: [(b, alpha + b * beta) for b in sizes]  # noqa: E731
     measured = {link: (4, {kind: line(1e-4, 1e-8 if link == "inter" else 1e-9)
@@ -359,7 +359,7 @@ def test_wait_at_a_call_scales_with_the_compute_rate():
 def test_memory_rate_is_fitted_on_relative_errors():
     """A largest size 3 x slower than the line through the others (a cache-missing point on
     shared cores) sets a plain least-squares rate alone; the relative fit stays near the line."""
-    from parm_trainer.bench.calibrate import fit
+    from parm_trainer.bench.calibration.fit import fit
 
     sizes = [2 ** 17 * 4 ** i for i in range(5)]
     points = [(b, 1e-5 + b * 1e-10) for b in sizes]
@@ -373,7 +373,7 @@ def test_memory_rate_is_fitted_on_relative_errors():
 def test_calibration_puts_one_and_a_nodes_worth_of_flows_on_each_link():
     """The groups calibrate_comm measures link sharing on: a ring of one rank per node for
     each position (a node's ranks' worth of flows), or only the first position's (1 flow)."""
-    from parm_trainer.bench.calibrate import flow_groups
+    from parm_trainer.bench.calibration.waits import flow_groups
 
     assert flow_groups(4, 2, 2) == [[0, 2], [1, 3]] and link_flows(flow_groups(4, 2, 2), 2) == 2
     assert flow_groups(4, 2, 1) == [[0, 2]] and link_flows(flow_groups(4, 2, 1), 2) == 1

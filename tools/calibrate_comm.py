@@ -44,8 +44,8 @@ Compute and memory: GEMMs of expert-like shapes (GEMM_SHAPES) and row permutatio
 layer), fitted the same way against their FLOPs into the "compute" entry (alpha s, beta s/FLOP)
 and against the bytes they read and write into the "memory" entry (alpha s, beta s/byte). The profile
 records the world size it was measured on; --moe-parm-cost-profile refuses it for another.
-The measurements are parm_trainer/bench/calibrate.py, the profile and the table
-parm_trainer/bench/calibration_report.py.
+The measurements are parm_trainer/bench/calibration/, the profile and the table
+parm_trainer/bench/calibration/report.py.
 """
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from parm_trainer.bench.calibrate import R2_MIN, calibrate
-from parm_trainer.bench.calibration_report import report
+from parm_trainer.bench.calibration import calibrate
+from parm_trainer.bench.calibration.fit import R2_MIN
+from parm_trainer.bench.calibration.report import report
 
 
 def parse(argv):

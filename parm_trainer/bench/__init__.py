@@ -18,5 +18,5 @@ Around it:
     sweep.py        bench_sweep's grid and summary
     validation.py   validate_cost_model's grid, folds and scores (cost_fit.py: the layer
                     terms' fit; validation_report.py: its table and plot)
-    calibrate.py    calibrate_comm's measurements (calibration_report.py: the profile)
+    calibration/    calibrate_comm's measurements, their fit and the profile (report.py)
 """

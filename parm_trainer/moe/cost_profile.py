@@ -1,7 +1,7 @@
 """A cluster as the cost model sees it: calibrated rates per collective and link, GEMM and memory
 rates, and the whole-layer terms (Profile), read from and written to JSON; the built-in default
 (assumed A100 figures, not a measurement); --moe-parm-cost-profile loaded and checked against a
-job. tools/calibrate_comm.py measures one (bench/calibrate.py); docs/cost_model.md describes
+job. tools/calibrate_comm.py measures one (bench/calibration/); docs/cost_model.md describes
 every entry.
 """
 

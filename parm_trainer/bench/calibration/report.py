@@ -10,7 +10,8 @@ import os
 import statistics
 import sys
 
-from parm_trainer.bench.calibrate import BURST_PAUSE, R2_MIN, burst_from, fit
+from parm_trainer.bench.calibration.fit import R2_MIN, fit
+from parm_trainer.bench.calibration.waits import BURST_PAUSE, burst_from
 from parm_trainer.moe.cost_profile import KINDS, LAYER_DEFAULT, LINKS, Profile
 from parm_trainer.moe.link_sharing import links_from
 

@@ -91,6 +91,27 @@ def watch_rendezvous() -> None:
     watch(parallel, "_attempt_store")
 
 
+def ranks_start_with_fresh_signals() -> None:
+    """A rank forked from torchrun's agent inherits the agent's Python handlers of SIGTERM,
+    SIGINT, SIGHUP and SIGQUIT, which act only once the rank's main thread is back in Python:
+    a rank blocked in a collective then outlives the agent's SIGTERM by its 30 s grace. A rank
+    of a plain torchrun is a fresh Python and dies at once; so does each rank forked from here
+    (what the project installs itself, --exit-signal-handler, comes after)."""
+    import signal
+
+    from torch.distributed import run
+
+    as_script = run.run_script_path
+
+    def fresh(*args):
+        for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        return as_script(*args)
+
+    run.run_script_path = fresh
+
+
 def run_launch(request: dict) -> None:
     """In the forked child: become the launch (its own process group, environment, directory
     and output), then torchrun's main; never returns."""
@@ -159,4 +180,5 @@ if __name__ == "__main__":
     socket_path = sys.argv[1]
     preload()
     watch_rendezvous()
+    ranks_start_with_fresh_signals()
     serve(socket_path)

@@ -23,26 +23,7 @@ k times and its k outputs sent back. This one sends what the routing needs and n
    (s2), each piece's combined tokens are then gathered over MP, overlapped with the pieces
    still on the wire.
 
-Every piece's outbound AlltoAll is issued at once and later pieces travel while earlier ones
-compute, as in the padded exchange; the backward mirrors it (comm.start/finish).
-
-Local first (--moe-parm-local-first; one hop, EP > 1): the rows a rank sends to its own EP
-rank cross no link, yet in a piece they wait for the piece's AlltoAll. Here the pieces carry
-only the rows for the other EP ranks, and this rank's own rows are two more pieces of their
-own (the two halves of the tokens; ESP gather, experts, ESP reduce-scatter, no AlltoAll): the
-first computed while the first remote piece travels out, the second while the last one's
-outputs travel back (and, mirrored, in the backward). It costs one more ESP gather and
-reduce-scatter per half, so it pays where the link and the compute are of a size (auto
-times it at depth 2).
-
-Relayed (node_relay.py: an EP group with R >= 2 ranks on each of N >= 2 nodes, top-k >= 2;
---moe-parm-exchange direct turns it off), step 2 sends each token once to each node holding
-one of its experts, to the EP rank at this rank's position there, with the R L weights of
-that node's experts (ledger group "ep_link"); that rank forwards each row inside its node
-(AlltoAll-v over the node's EP ranks, "ep_node") to the ranks whose experts it names, with
-their L weights, and sums their returned rows into one before the AlltoAll-v back over the
-link. The counts of both hops come from the one AllGather of step 3 (rows per EP rank and
-per node of every sender). The in-node hop runs on the main thread, inside the exchange's pieces.
+Local first (--moe-parm-local-first) and the node relay (node_relay.py): docs/exchange.md.
 """
 
 from __future__ import annotations

@@ -11,57 +11,9 @@ Nothing here imports DeepSpeed until a function is called.
 Check (4 ranks; deepspeed_check.py):  .venv/bin/python -m torch.distributed.run \
                       --nproc-per-node 4 tools/deepspeed_peer.py --check
 
-Modes (DeepSpeed's own names for them in deepspeed/moe/layer.py and sharded_moe.py):
-  ep     expert parallel only: no mpu, whole experts, ep_size = --expert-model-parallel-size.
-         Needs MP 1 and ESP 1 (without an mpu DeepSpeed knows no tensor parallelism: MP ranks
-         holding the same tokens would each route and compute them again).
-  dedup  the dense part tensor-parallel (mpu = megatron's parallel_state), whole experts:
-         MOELayer drops the duplicate tokens of the MP ranks before the AlltoAll (drop_tokens on
-         the capacity dim) and all-gathers them after it. Needs ESP 1.
-  ted    expert tensor parallelism (enable_expert_tensor_parallelism=True): each expert is
-         sharded over the MP group (fc1 column-, fc2 row-parallel, as Megatron-DeepSpeed's
-         ParallelMLP with moe=True), tokens all-gathered over MP after the AlltoAll. Needs
-         ESP == MP.
-Pipeline parallelism is not modelled (one layer): PP must be 1.
-
-Process groups. DeepSpeed builds its own (MoE.set_deepspeed_parallelism ->
-groups._create_expert_and_data_parallel for ep/dedup, _create_expert_data_and_model_parallel
-with groups.mpu for ted); the tensor-parallel group is megatron's (groups.mpu = parallel_state).
-build() then checks that every rank's DeepSpeed expert-parallel group has the ranks of megatron's
-expert-model-parallel group, and refuses (PeerCannotRun) otherwise, so a peer never runs on
-another layout than Parm's schedules.
-
-Routing. The gate is built with noisy_gate_policy=None (no Jitter/RSample), use_rts=False (no
-random token selection under capacity), top2_2nd_expert_sampling=False (no Gumbel noise on the
-second expert), min_capacity=0, drop_tokens = a capacity factor was given. DeepSpeed then
-computes, on the tokens of the gate call (all the tokens of an MP group: dedup and ted see the
-full replica, ep each rank's own), with gates = softmax over ALL E logits:
-  k=1 (top1gating): expert = argmax; the output is weighted by gates[t, e] (the full-softmax
-      probability, Switch Transformer) - EQUAL to reference.py with pre_softmax, which top-1
-      needs (--moe-router-pre-softmax, as megatron-core requires).
-  k=2 (top2gating): experts = the two largest logits, weights gates_e / (gates_e1 + gates_e2)
-      = exp(l_e) / (exp(l_e1) + exp(l_e2)) - EQUAL to reference.py's softmax over the top-2
-      logits (up to float rounding; ties broken by argmax instead of topk).
-  k>2 (topkgating): top-k of gates, normalised by their sum - EQUAL to reference.py.
-Aux loss (DeepSpeed's l_aux, before any coefficient; me = mean_t gates, ce = mean_t mask):
-  k=1: E * sum_e me_e * ce_e (ce: top-1 counts)        - EQUAL to reference.py's aux;
-  k=2: E * sum_e me_e * ce1_e, ce1 counting only each token's FIRST expert, and no 1/k
-       (GShard)                                          - NOT equal (definition);
-  k>2: E / k * sum_e me_e * ce_e (ce: all k choices)     - EQUAL.
-Capacity (drop_tokens): C = max(ceil(T / E * (f * k)), 0) - reference.py's expression in another
-operation order - but the tokens dropped are not reference.py's "probs" policy: k=1 keeps an
-arbitrary C of an expert's tokens (torch.topk over a 0/1 mask), k=2 drops by position (first
-choices first), k>2 keeps the largest un-normalised full-softmax gates; the reference keeps each
-expert's C most probable tokens (at k=1 its pre-softmax probabilities differ from token to
-token). With a capacity factor that drops tokens, differences to the reference are
-definitional. Dropless (no factor):
-drop_tokens=False, C = the largest expert load (max over the EP group), nothing dropped.
-
-Gradients, for whoever compares them: the gate is replicated on the MP ranks and every MP rank
-computes the full replica's gate gradient (do not sum it over MP; sum over data-parallel
-replicas); an expert parameter is this rank's shard (ted: fc1 rows / fc2 columns of the MP rank),
-to be summed over DeepSpeed's expert-data-parallel group (= megatron's). DeepSpeed has no
-aux-loss autoscaler: the caller adds coeff * aux to the objective, as DeepSpeed's users do.
+Three modes (ep, dedup, ted: DeepSpeed's own names), the process groups DeepSpeed builds and
+how they are checked against megatron's, and how its routing, aux loss, capacity and gradients
+compare with reference.py: docs/peers.md.
 """
 
 from __future__ import annotations

@@ -54,9 +54,9 @@ def test_two_rank_calibration_writes_loadable_profile(tmp_path):
     # one node: no link sharing to measure
     assert [k for k, _ in profile.compute_concurrency] == [1, 2]
     assert profile.compute_concurrency[-1][1] == 1.0 and profile.compute_concurrency[0][1] > 0
-    waits = data["fit"]["sync_wait"]  # 3 rounds x 3 collectives x 3 chunk sizes, (chunk, wait) s
+    waits = data["fit"]["sync_wait"]  # 3 rounds x 3 collectives x 3 stretches, (stretch, wait) s
     assert "a collective after compute waits" in result.stdout
-    assert len(waits) == 27 and all(chunk > 0 and wait >= 0 for chunk, wait in waits)
+    assert len(waits) == 27 and all(stretch > 0 and wait >= 0 for stretch, wait in waits)
     assert profile.layer[3] == pytest.approx(sorted(w for _, w in waits)[13])  # their median
     assert profile.node_links is None and "compute time with k ranks" in result.stdout
 
@@ -139,7 +139,7 @@ if dist.get_rank() == 0:
     stretch = [statistics.median(c for i, (c, _) in enumerate(points) if i % 3 == k)
                for k in range(3)]
     print("groups", made, "points", len(points), "ok",
-          all(chunk > 0 and wait >= 0 for chunk, wait in points),
+          all(stretch > 0 and wait >= 0 for stretch, wait in points),
           "stretches", stretch[2] > 3 * stretch[0])
     print("burst sizes", [b for b, _, _ in burst], "timed",
           all(s > 0 and p > 0 for _, s, p in burst), "one node", one_node)

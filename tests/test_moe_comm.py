@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from conftest import run_rank_workers
-from parm_trainer.moe.comm import LEDGER, CommLedger, chunk_spans
+from parm_trainer.moe.comm import LEDGER, CommLedger, piece_spans
 from parm_trainer.moe import comm
 
 
@@ -45,12 +45,12 @@ def test_ledger_sums_and_filters_by_phase():
     assert ledger.totals() == {} and ledger.by_kind() == {}
 
 
-def testchunk_spans_follow_tensor_split():
+def test_piece_spans_follow_tensor_split():
     for length in range(0, 9):
         for chunks in range(1, 6):
             pieces = torch.tensor_split(torch.arange(length), chunks)
             expected = [(int(p[0]), len(p)) for p in pieces if len(p)]
-            assert chunk_spans(length, chunks) == expected
+            assert piece_spans(length, chunks) == expected
 
 
 def test_group_of_none_is_identity_and_records_nothing():

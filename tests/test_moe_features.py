@@ -14,7 +14,6 @@ shared expert overlapped and not, must give megatron's output, gradients and rou
 """
 
 import re
-from pathlib import Path
 
 import pytest
 

@@ -210,12 +210,12 @@ def _identity(x, group, name, phase):
 
 # --- pieces --------------------------------------------------------------------------------
 
-def chunk_spans(length, chunks):
-    """(offset, size) of each piece torch.tensor_split(range(length), chunks) makes, empty
+def piece_spans(length, count):
+    """(offset, size) of each piece torch.tensor_split(range(length), count) makes, empty
     pieces left out."""
-    base, extra = divmod(length, chunks)
+    base, extra = divmod(length, count)
     spans, offset = [], 0
-    for i in range(chunks):
+    for i in range(count):
         size = base + (i < extra)
         if size:
             spans.append((offset, size))
@@ -358,7 +358,7 @@ class _Finish(torch.autograd.Function):
     def forward(ctx, raw, pending):
         step_timing.wait(pending.work, hand_over=pending.name in EP_GROUPS)
         # a finished handle is let go: it holds its output, whose grad_fn holds this pending
-        # (a cycle through C++ that the garbage collector cannot see, leaking every chunk)
+        # (a cycle through C++ that the garbage collector cannot see, leaking every piece)
         pending.work = None
         ctx.pending, ctx.raw_shape = pending, raw.shape
         out = pending.finish(raw)

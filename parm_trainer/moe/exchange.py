@@ -6,7 +6,7 @@ k times and its k outputs sent back. This one sends what the routing needs and n
 
 1. route: each token's routing weight for every expert it keeps, -1 for the others (weights
    are softmax probabilities, never negative, so the sign is the expert-id mask).
-2. per piece of the tokens (the layer's chunks; contiguous spans) and EP rank d: the tokens
+2. per piece of the tokens (r = the layer's `chunks` contiguous spans) and EP rank d: the tokens
    that go to any of d's local experts, once each, with their L = E / EP local weights as L
    extra columns (one row of M + L values per token and destination).
 3. counts first: one AllGather over the EP x ESP group of every rank's rows per EP rank and
@@ -238,11 +238,11 @@ def _pieces(n: int, chunks: int, local_first: bool) -> list:
     """The exchange's pieces of n tokens: `chunks` spans to every destination, or, local
     first, the spans' rows to the other EP ranks and this rank's own rows in two halves (the
     first computed while the remote pieces travel out, the second while they come back)."""
-    spans = comm.chunk_spans(n, chunks)
+    spans = comm.piece_spans(n, chunks)
     if not local_first:
         return [_Piece(*span) for span in spans]
     return ([_Piece(*span, "remote") for span in spans]
-            + [_Piece(*span, "local") for span in comm.chunk_spans(n, 2)])
+            + [_Piece(*span, "local") for span in comm.piece_spans(n, 2)])
 
 
 class ExactExchange:

@@ -59,7 +59,7 @@ class PaddedExchange:
         overlapped shared expert (shared_expert.Deferred), run once the pieces are out."""
         layer = self.layer
         ep, esp, mp = layer.groups["ep"], layer.groups["esp"], layer.groups["mp"]
-        spans = comm.chunk_spans(x.shape[1], layer.chunks)
+        spans = comm.piece_spans(x.shape[1], layer.chunks)
         if not spans:  # no capacity slots (agreed on every rank): nothing to exchange
             return x
         outbound = [comm.start("alltoall", x.narrow(1, *span), ep, "ep") for span in spans]

@@ -16,7 +16,7 @@ steps call (comm.py); a cost model can price the same steps. Step ops:
     exchange        the expert exchange: AlltoAll (EP), ESP-AllGather, expert, ESP-ReduceScatter,
                     AlltoAll back (and, with group "ep,esp,mp", the MP-AllGather of the
                     capacity, used identically afterwards) in r pieces of the capacity slots
-                    (the layer's chunks; of the tokens, in exact counts, in the exact
+                    (r = the layer's `chunks` pieces; of the tokens, in exact counts, in the exact
                     exchange of exchange.py), the AlltoAlls of later pieces on the wire while
                     earlier pieces compute; r = 1 is each collective after the other
 """

@@ -25,7 +25,7 @@ from parm_trainer.bench.calibration.waits import (measure_burst, measure_link_sh
 def calibrate(args, device, per_node):
     """Everything calibrate_comm measures, on every rank: (measured {link: (group size,
     {kind: points})}, local {"compute"|"memory": points, "concurrency": [(k, factor)],
-    "sync_wait": [(chunk s, wait s)], "burst": [(bytes, sustained s, after a pause s)],
+    "sync_wait": [(stretch s, wait s)], "burst": [(bytes, sustained s, after a pause s)],
     "link_sharing": (inter flows, [(flows, points)])}, node_share per link, remote_peers per
     link)."""
     from parm_trainer.progress import Progress

@@ -119,10 +119,10 @@ def report(args, backend, world, per_node, hosts, measured, local, shares, remot
         print("compute time with k ranks computing at once, over all at once: "
               + ", ".join(f"k={k}: {f:.2f}" for k, f in concurrency))
     if waits:
-        chunks = [c for c, _ in local["sync_wait"]]
+        stretches = [c for c, _ in local["sync_wait"]]
         print(f"a collective after compute waits {per_call * 1e3:.2f} ms more than one after a "
-              f"barrier (median over {len(waits)} calls after {min(chunks) * 1e3:.1f} to "
-              f"{max(chunks) * 1e3:.1f} ms of compute): the layer's s_per_call")
+              f"barrier (median over {len(waits)} calls after {min(stretches) * 1e3:.1f} to "
+              f"{max(stretches) * 1e3:.1f} ms of compute): the layer's s_per_call")
     if local.get("burst"):
         print(f"the node link passes {burst / 1024:.0f} KiB at once after a pause (sends of "
               f"{local['burst'][0][0] // 1024}-{local['burst'][-1][0] // 1024} KiB timed back to "

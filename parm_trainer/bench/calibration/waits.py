@@ -24,7 +24,7 @@ WAIT_STRETCHES = (0.002, 0.008, 0.03)
 
 
 def measure_sync_wait(repeats, warmup, device, calls, per_node, rounds=3) -> list:
-    """[(chunk seconds, wait seconds)]: in every node's group of ranks at once (MP groups
+    """[(stretch seconds, wait seconds)]: in every node's group of ranks at once (MP groups
     sit inside a node; the world where a node holds one rank), each WAIT_CALLS collective
     timed alone, a stretch of compute (a GEMM case repeated to about each WAIT_STRETCHES)
     alone, and the two back to back; the wait is what the pair takes beyond the two apart;
@@ -49,25 +49,25 @@ def measure_sync_wait(repeats, warmup, device, calls, per_node, rounds=3) -> lis
     unit = torch.tensor([time_call(gemm, max(5, repeats), max(1, warmup), device, calls)],
                         device=device)
     dist.all_reduce(unit, op=dist.ReduceOp.MAX)  # every rank repeats it as often
-    chunks = []
+    stretches = []
     for target in WAIT_STRETCHES:
-        def chunk(k=max(1, round(target / unit.item()))):
+        def stretch(k=max(1, round(target / unit.item()))):
             for _ in range(k):
                 gemm()
-        chunks.append(chunk)
+        stretches.append(stretch)
     points = []
     for _ in range(rounds):
         for kind, numel in WAIT_CALLS:
             collective = collective_call(kind, torch.ones(numel, device=device), group, size)
             alone = time_call(collective, repeats, warmup, device, calls)
-            for call in chunks:
-                chunk = time_call(call, repeats, warmup, device, calls)
+            for call in stretches:
+                seconds = time_call(call, repeats, warmup, device, calls)
 
                 def pair(call=call, collective=collective):
                     call()
                     collective()
                 both = time_call(pair, repeats, warmup, device, calls)
-                points.append((chunk, max(0.0, both - chunk - alone)))
+                points.append((seconds, max(0.0, both - seconds - alone)))
     return points
 
 

@@ -21,11 +21,11 @@ from typing import Optional, Sequence
 import torch
 
 from parm_trainer.arguments.checks import check
-from parm_trainer.arguments.flags import EXIT_SIGNALS, add_bert_args, build_parser
+from parm_trainer.arguments.flags import add_bert_args, build_parser
 from parm_trainer.arguments.round_trip import command_line, model_argument_names
 from parm_trainer.errors import ArgumentsError
 
-__all__ = ["ArgumentsError", "EXIT_SIGNALS", "add_bert_args", "build_parser", "command_line",
+__all__ = ["ArgumentsError", "add_bert_args", "build_parser", "command_line",
            "model_argument_names", "parse_args"]
 
 

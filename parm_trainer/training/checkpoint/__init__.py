@@ -25,11 +25,8 @@ verdict, rename and tracker follow at a later iteration, once every rank has wri
     optimizer_state.py  the optimizer's step and state, bridged to megatron-core's
 """
 
-from parm_trainer.training.checkpoint.files import (CheckpointError, read_description,
-                                                    read_tracker)
+from parm_trainer.training.checkpoint.files import read_description, read_tracker
 from parm_trainer.training.checkpoint.load import load_checkpoint
 from parm_trainer.training.checkpoint.save import save_checkpoint
-from parm_trainer.training.checkpoint.state import describe_run, layout
 
-__all__ = ["CheckpointError", "describe_run", "layout", "load_checkpoint", "read_description",
-           "read_tracker", "save_checkpoint"]
+__all__ = ["load_checkpoint", "read_description", "read_tracker", "save_checkpoint"]

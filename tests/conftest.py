@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -21,16 +22,19 @@ import pytest
 from torchrun_server import RENDEZVOUS_HUNG
 
 ROOT = Path(__file__).resolve().parents[1]
-# auto's start-up measurements (parm_trainer/schedule/tune.py), shared by this session's launches
-# (so runs that are compared make the same choice) and never the user's own cache
-# (every process the tests start inherits it)
-os.environ["PARM_TRAINER_CACHE_DIR"] = f"/tmp/parm_trainer_test_cache_{os.getpid()}"
+# auto's start-up measurements (parm_trainer/schedule/tune.py) in one cache for the whole
+# session, both workers of pytest -n included (the controller's pid names it): a layer is
+# measured once a session (tune's cache lock: a layer two workers measured at once keeps the
+# first entry, used by both), runs that are compared make the same choice, and the user's own
+# cache is never touched (every process the tests start inherits the variable). The session's
+# first process, the controller under pytest -n, removes it at the end.
+_SESSION = os.getppid() if "PYTEST_XDIST_WORKER" in os.environ else os.getpid()
+os.environ["PARM_TRAINER_CACHE_DIR"] = f"/tmp/parm_trainer_test_cache_{_SESSION}"
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _remove_tune_cache():
-    yield
-    shutil.rmtree(os.environ["PARM_TRAINER_CACHE_DIR"], ignore_errors=True)
+def pytest_sessionfinish(session):
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        shutil.rmtree(os.environ["PARM_TRAINER_CACHE_DIR"], ignore_errors=True)
 
 
 def run_tool(*args, timeout=300):
@@ -75,9 +79,22 @@ def load_module(path, name):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below the kernel's ephemeral range: a port the kernel handed out for
+    this (bind to 0) may next be the local end of another process's outgoing connection (the
+    gloo meshes of the launches beside this test's, under pytest -n) before the launch binds
+    it. Drawn at random, so two workers rarely draw one."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    draw = random.Random()  # not the tests' seeded generators
+    for _ in range(100):
+        port = draw.randrange(max(1024, ephemeral - 12000), ephemeral)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port below the ephemeral range")
 
 
 @dataclass

@@ -7,7 +7,6 @@ rows patched. The single-process checks of the same patches: tests/test_compat_c
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,17 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import free_port
+
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="cpu.apply() leaves megatron-core untouched where CUDA runs"
 )
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,10 @@
 script is known to work before a GPU machine is spent on it; without --dry-run and without
 CUDA it refuses in one line."""
 
+import json
 import re
 import subprocess
+from types import SimpleNamespace
 
 from conftest import ROOT
 
@@ -42,3 +44,36 @@ def test_refuses_without_cuda_unless_dry_run():
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: no CUDA device here; run with --dry-run to check the script on CPU"]
+
+
+def test_layer_stages_share_one_launch_and_fall_back_to_one_each(tmp_path, monkeypatch):
+    """Stages 3-6 ask bench_moe_layer for their layers in one launch (--configs); where that
+    launch fails, each stage runs its own launch, so the failure is pinned to a stage."""
+    from conftest import load_module
+
+    smoke = load_module("tools/gpu_smoke.py", "gpu_smoke")
+    launches = []
+
+    def bench(args, extra, json_path, timeout):
+        launches.append(extra)
+        if "--configs" in extra:
+            with open(extra[extra.index("--configs") + 1]) as f:
+                names = [entry["name"] for entry in json.load(f)]
+            if fail_together:
+                return None, "boom"
+            return {"runs": [{"name": name} for name in names]}, "together"
+        return {"name": "alone", "argv": extra}, "alone"
+
+    monkeypatch.setattr(smoke, "_bench", bench)
+    args = SimpleNamespace(dry_run=True, nproc=2, out_dir=str(tmp_path), wanted={3, 4, 6},
+                           layer_runs=None)
+    fail_together = False
+    assert smoke._layer_runs(args, "MoE layer fp32") == ({"name": "MoE layer fp32"}, "together")
+    assert smoke._layer_runs(args, "timed layer table")[0] == {"name": "timed layer table"}
+    assert len(launches) == 1 and "--bf16" not in launches[0]  # stage 5 not asked: not run
+    args.layer_runs, launches[:] = None, []
+    fail_together = True
+    run, output = smoke._layer_runs(args, "MoE layer bf16")
+    assert output == "alone" and "--bf16" in run["argv"] and "--configs" not in run["argv"]
+    assert smoke._layer_runs(args, "MoE layer fp32")[0]["argv"] == smoke._check_argv(False)
+    assert len(launches) == 3  # the failed one, then one for each stage asked of it

@@ -1,6 +1,6 @@
 """One MoE layer under every schedule and layout, against the single-process reference.
 
-Three launches of tools/bench_moe_layer.py (2, 4 and 8 gloo ranks), each running many
+Three launches of tools/bench_moe_layer.py under torchrun (2, 4 and 8 gloo ranks), each running many
 configurations in one go (its hidden --configs flag): every layout (MP, EP, ESP) that fits the
 world, with and without --sequence-parallel where MP > 1, and for each the schedules baseline,
 s1, s2 and megatron-core's MoELayer; the ones that cannot run a layout must be reported as
@@ -26,14 +26,10 @@ It also runs every schedule in bf16 with the experts as SequentialMLP and in gro
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import free_port, load_module, torchrun
 from layer_bytes import check_exact_bytes, check_relay_bytes, expected_forward_bytes
 from parm_trainer.bench import peers
 from parm_trainer.moe import step_timing
@@ -83,20 +79,20 @@ def layouts(world, sizes=(1, 2)):
 
 
 def run_launch(nproc, configs, tmp_path, timeout=240, dump=None):
+    """tools/bench_moe_layer.py on nproc ranks (through conftest.torchrun, as a user's
+    `torchrun --nproc-per-node N tools/bench_moe_layer.py ...`): {name: run}, its output."""
     cfg_file, out_file = tmp_path / f"configs{nproc}.json", tmp_path / f"out{nproc}.json"
     cfg_file.write_text(json.dumps([{"name": c["name"], "argv": c["argv"]} for c in configs]))
-    command = [sys.executable, "tools/bench_moe_layer.py", "--nproc", str(nproc),
-               "--configs", str(cfg_file), "--json", str(out_file)]
+    argv = ["--nproc-per-node", nproc, "--master-port", free_port(), "tools/bench_moe_layer.py",
+            "--configs", cfg_file, "--json", out_file]
     if dump:
-        command += ["--dump", str(dump)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PARM_TRAINER_CACHE_DIR": str(tmp_path / "cache")}  # auto measures afresh
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                            env=env)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+        argv += ["--dump", dump]
+    status, output = torchrun(argv, {"PARM_TRAINER_CACHE_DIR": str(tmp_path / "cache")},
+                              timeout)  # auto measures afresh
+    assert status == 0, output[-4000:]
     runs = json.loads(out_file.read_text())["runs"]
     assert [r["name"] for r in runs] == [c["name"] for c in configs]
-    return {r["name"]: r for r in runs}, result.stdout
+    return {r["name"]: r for r in runs}, output
 
 
 def should_run(schedule, mp, esp, sp):
@@ -456,9 +452,11 @@ def test_eight_ranks(tmp_path):
     assert runs["mp2-ep2-esp2"]["config"]["data_parallel_size"] == 4
 
 
-def test_help_states_router_and_activation():
-    result = subprocess.run([sys.executable, "tools/bench_moe_layer.py", "--help"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert "softmax over the top-k logits" in result.stdout
-    assert "gelu" in result.stdout
+def test_help_states_router_and_activation(capsys):
+    tool = load_module("tools/bench_moe_layer.py", "bench_moe_layer")
+    with pytest.raises(SystemExit) as done:
+        tool.main(["--help"])
+    assert done.value.code == 0
+    shown = capsys.readouterr().out
+    assert "softmax over the top-k logits" in shown
+    assert "gelu" in shown

@@ -203,6 +203,35 @@ def test_tune_cache_survives_a_corrupt_file(tmp_path):
     assert not list(path.parent.glob("*.tmp*"))
 
 
+def test_tune_cache_keeps_every_entry_of_jobs_writing_at_once(tmp_path):
+    """Two jobs sharing one cache file (two runs on a machine, or the tests' two workers) each
+    add their entries at the same moments: each read-modify-write of the file holds its lock,
+    so none drops the other's entry; where both measured one layer, the first entry stays."""
+    import multiprocessing
+
+    from parm_trainer.schedule import tune
+
+    path = str(tmp_path / "tune.json")
+
+    def writer(name):
+        for i in range(40):
+            tune._write(path, f"{name}{i}", {"choice": ["s1", 1, False], "measured_ms": {}})
+
+    jobs = [multiprocessing.get_context("fork").Process(target=writer, args=(n,)) for n in "ab"]
+    for job in jobs:
+        job.start()
+    for job in jobs:
+        job.join()
+    assert [job.exitcode for job in jobs] == [0, 0]
+    missing = [f"{n}{i}" for n in "ab" for i in range(40) if tune._read(path, f"{n}{i}") is None]
+    assert not missing, missing
+    # a job that measured a layer another job cached meanwhile gets (and uses) that one's entry
+    theirs = tune._read(path, "a0")
+    mine = {"choice": ["s2", 4, False], "measured_ms": {"s2 r=4": 1.0}}
+    assert tune._write(path, "a0", mine) == theirs and tune._read(path, "a0") == theirs
+    assert tune._write(path, "new", mine) is mine
+
+
 def test_tune_times_the_candidates_in_interleaved_rounds():
     """A slow stretch of the machine (here the first 9 passes, 4 x slower) must not decide the
     choice: the candidates' true times are 3, 2, 4 and 5 ms; timed one candidate after the other
@@ -241,7 +270,8 @@ def test_tune_runs_off_a_close_call():
     """Where the runner-up lies within 10 % of the fastest, the two alone get 6 more
     interleaved runs and the medians over all their runs decide: here b's 5 first runs are
     lucky (2.9 ms against a's 3.0) but its true time is 3.1 ms, so a is taken. The medians are
-    reduced (as over ranks) before either comparison. A clear lead gets no run-off."""
+    reduced (as over ranks) before either comparison. c, 5 ms, is out of the race after two
+    rounds (more than 25 % behind even at its fastest). A clear lead gets no run-off."""
     from parm_trainer.schedule.tune import measured_seconds
 
     calls, reduced = [], []
@@ -259,13 +289,34 @@ def test_tune_runs_off_a_close_call():
     assert run_off == ("b", "a")
     assert min(seconds, key=seconds.get) == "a"
     assert seconds == pytest.approx({"a": 3.0e-3, "b": 3.1e-3, "c": 5.0e-3})
-    assert len(calls) == 3 + 5 * 3 + 6 * 2 and set(calls[18:]) == {"a", "b"}
-    assert reduced[0] == pytest.approx([3.0e-3, 2.9e-3, 5.0e-3]) and len(reduced) == 2
+    # warm-ups, two rounds of all three, three more of a and b, the run-off's six
+    assert len(calls) == 3 + 2 * 3 + 3 * 2 + 6 * 2 and set(calls[9:]) == {"a", "b"}
+    assert calls.count("c") == 3
+    assert reduced[0] == pytest.approx([3.0e-3, 2.9e-3, 5.0e-3]) and len(reduced) == 4
 
     calls.clear()
     seconds, run_off = measured_seconds(["a", "c"], run)
-    assert len(calls) == 2 + 5 * 2 and run_off == ()
+    assert len(calls) == 2 + 2 * 2 and run_off == ()  # c out after two rounds: a alone is left
     assert seconds == pytest.approx({"a": 3e-3, "c": 5e-3})
+
+
+def test_tune_keeps_a_candidate_whose_slow_pass_was_a_spike():
+    """Out of the race goes a candidate whose fastest pass is more than 25 % over the best
+    median, not one a slow stretch of the machine hit: here b (as fast as a) has one pass at
+    4 x in the first two rounds and runs all five; d, 1.3 x a on every pass, leaves after two."""
+    from parm_trainer.schedule.tune import measured_seconds
+
+    calls = []
+
+    def run(candidate):
+        calls.append(candidate)
+        spike = 4 if candidate == "b" and calls.count("b") == 2 else 1
+        return {"a": 2.0, "b": 2.05, "d": 2.6}[candidate] * spike * 1e-3
+
+    seconds, run_off = measured_seconds(["a", "b", "d"], run)
+    assert calls.count("d") == 1 + 2 and calls.count("b") == calls.count("a")
+    assert calls.count("a") == 1 + 5 + 6 and run_off == ("a", "b")
+    assert min(seconds, key=seconds.get) == "a"
 
 
 def test_tune_cache_path(monkeypatch):

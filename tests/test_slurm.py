@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, free_port, max_relative
+from conftest import ROOT, free_port, max_relative, torchrun
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or subprocess.run(["ip", "netns", "list"], capture_output=True).returncode,
@@ -34,13 +34,22 @@ def _settings(data, run_dir):
             "RUN_DIR": str(run_dir)}
 
 
-def _launch_sh(script, settings, losses):
-    """The same job on this machine through scripts/launch.sh: 1 node x 4 ranks."""
-    env = {**os.environ, **settings, "NPROC_PER_NODE": "4", "MASTER_PORT": str(free_port()),
-           "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(["bash", f"scripts/{script}", "--log-losses-json", str(losses)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+def _reference(script, settings, losses, tmp_path):
+    """The same job on this machine, 1 node x 4 ranks: the arguments scripts/SCRIPT gives
+    pretrain (read by running it with PYTHON set to a script that prints them), launched
+    through conftest.torchrun."""
+    printer = tmp_path / "print_argv.sh"
+    printer.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    printer.chmod(0o755)
+    env = {**os.environ, **settings, "NPROC_PER_NODE": "4", "PYTHON": str(printer)}
+    shown = subprocess.run(["bash", f"scripts/{script}", "--log-losses-json", str(losses)],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    argv = shown.stdout.splitlines()
+    entry = next(i for i, item in enumerate(argv) if item.startswith("pretrain_"))
+    status, output = torchrun(["--nproc-per-node", 4, "--master-port", free_port(),
+                               *argv[entry:]], {**settings, "OMP_NUM_THREADS": "1"})
+    assert status == 0, output[-3000:]
     return [row["lm loss"] for row in json.loads(losses.read_text())]
 
 
@@ -76,10 +85,10 @@ def test_batch_scripts_train_requeue_and_refuse(gpt_data, bert_data, tmp_path):
 
     before = _ours()
     gpt, bert = _settings(gpt_data, tmp_path / "gpt"), _settings(bert_data, tmp_path / "bert")
-    expected_gpt = _launch_sh("train_gpt_moe.sh", {**gpt, "RUN_DIR": str(tmp_path / "ref_gpt")},
-                              tmp_path / "ref_gpt.json")
-    expected_bert = _launch_sh("train_bert_moe.sh", {**bert, "RUN_DIR": str(tmp_path / "ref_b")},
-                               tmp_path / "ref_bert.json")
+    expected_gpt = _reference("train_gpt_moe.sh", {**gpt, "RUN_DIR": str(tmp_path / "ref_gpt")},
+                              tmp_path / "ref_gpt.json", tmp_path)
+    expected_bert = _reference("train_bert_moe.sh", {**bert, "RUN_DIR": str(tmp_path / "ref_b")},
+                               tmp_path / "ref_bert.json", tmp_path)
     nodes = ("--nodes", "2", "--gpus-per-node", "2")
     tag = f"ps{os.getpid() % 10000}"
     with Cluster(2, "1gbit", tag=tag) as cluster, \

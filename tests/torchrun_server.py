@@ -30,7 +30,8 @@ import threading
 from parm_trainer.lazy_imports import asks_for_wandb
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PRELOAD = ("pretrain_gpt_moe.py", "pretrain_bert_moe.py", "tools/generate.py")
+PRELOAD = ("pretrain_gpt_moe.py", "pretrain_bert_moe.py", "tools/generate.py",
+           "tools/bench_moe_layer.py")
 
 
 def preload() -> None:
@@ -112,6 +113,33 @@ def ranks_start_with_fresh_signals() -> None:
     run.run_script_path = fresh
 
 
+def ranks_may_end_with_os_exit() -> None:
+    """A script may end its ranks with os._exit(0) once its work is done (the bench tools do,
+    bench/layout.leave, to skip megatron's slow teardown of its process groups): a plain
+    torchrun's rank is a process, and its exit status is all the agent reads. A rank forked by
+    the agent runs a function whose return value it hands to the agent on a queue, and the agent
+    waits for every rank's value before it ends the launch: a rank that left by os._exit(0)
+    would keep it waiting forever. Here such a rank hands in its value (None) first, waits until
+    the agent has read every rank's, and then exits as it asked."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    wrap = api._wrap
+
+    def wrapped(local_rank, fn, args, envs, stdout, stderr, ret_vals, read_event, *rest):
+        exit_ = os._exit
+
+        def exit_with_value(status):
+            if status == 0:
+                ret_vals[local_rank].put(None)
+                read_event.wait()
+            exit_(status)
+
+        os._exit = exit_with_value
+        return wrap(local_rank, fn, args, envs, stdout, stderr, ret_vals, read_event, *rest)
+
+    api._wrap = wrapped
+
+
 def run_launch(request: dict) -> None:
     """In the forked child: become the launch (its own process group, environment, directory
     and output), then torchrun's main; never returns."""
@@ -181,4 +209,5 @@ if __name__ == "__main__":
     preload()
     watch_rendezvous()
     ranks_start_with_fresh_signals()
+    ranks_may_end_with_os_exit()
     serve(socket_path)

@@ -38,10 +38,8 @@ import warnings
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|is deprecated|sequence "
                                           "parallelism must be used|Disabling sequence parallel)")
 
+from parm_trainer.bench import flags  # noqa: E402 (torch, not megatron-core)
 from parm_trainer.lazy_imports import eager_fusions_without_cuda  # noqa: E402
-
-eager_fusions_without_cuda()  # before megatron-core is imported (lazy_imports.py)
-from parm_trainer.bench import flags  # noqa: E402
 
 
 def main(argv=None, leave=False) -> int:
@@ -60,7 +58,8 @@ def main(argv=None, leave=False) -> int:
             return 2
         from parm_trainer.launch import relaunch
 
-        return relaunch(__file__, argv, args.nproc)
+        return relaunch(__file__, argv, args.nproc)  # this process never imports megatron-core
+    eager_fusions_without_cuda()  # before megatron-core is imported (lazy_imports.py)
     from parm_trainer.bench import harness, layout, report
 
     runs, payload = harness.run(args)

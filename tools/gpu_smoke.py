@@ -23,6 +23,9 @@ minutes, each stage a command of the project's own, then one summary table.
    Transformer Engine is not used, so apex's fused LayerNorm runs); the loss must be finite
    and fall; the row names the modules megatron built.
 
+Stages 3-6 run in one launch of bench_moe_layer (one rendezvous and start-up, not four; the
+summary gives its time to the first of them); where it fails, each runs in a launch of its own.
+
 --dry-run runs every stage on CPU with gloo and small shapes (the test suite does), so the
 script is known to work before anyone spends GPU time on it. Ranks: one per GPU (NCCL needs
 a GPU per rank; with one GPU the multi-rank stages say so and run on one rank); --dry-run: 2.
@@ -117,14 +120,61 @@ def _bench(args, extra: list, json_path: str, timeout: float) -> tuple:
         return json.load(f), output
 
 
-def _layer_check(args, bf16: bool, extra=(), experts=None) -> tuple:
-    shape = [*extra, "--num-experts", "4", "--moe-router-topk", "2", "--hidden-size", "64",
-             "--moe-ffn-hidden-size", "128", "--seq-length", "32", "--micro-batch-size", "2",
-             "--moe-aux-loss-coeff", "0.01", "--iters", "0", "--warmup", "0",
-             "--schedules", "baseline,s1,s2,megatron", "--moe-parm-chunks", "2"]
-    name = ("bf16" if bf16 else "fp32") + ("_grouped" if extra else "")
-    run, output = _bench(args, shape + (["--bf16"] if bf16 else []),
-                         os.path.join(args.out_dir, f"layer_{name}.json"), 300)
+def _check_argv(bf16: bool, extra=()) -> list:
+    """Stages 3-5: a small layer, every schedule against the reference."""
+    return [*extra, "--num-experts", "4", "--moe-router-topk", "2", "--hidden-size", "64",
+            "--moe-ffn-hidden-size", "128", "--seq-length", "32", "--micro-batch-size", "2",
+            "--moe-aux-loss-coeff", "0.01", "--iters", "0", "--warmup", "0",
+            "--schedules", "baseline,s1,s2,megatron", "--moe-parm-chunks", "2",
+            *(["--bf16"] if bf16 else [])]
+
+
+def _timed_argv(args) -> list:
+    """Stage 6: a larger layer (on a GPU), Parm's schedules and megatron's, timed."""
+    big = not args.dry_run
+    return ["--num-experts", "8" if big else "4", "--moe-router-topk", "2",
+            "--hidden-size", "1024" if big else "64",
+            "--moe-ffn-hidden-size", "4096" if big else "128",
+            "--seq-length", "2048" if big else "32", "--micro-batch-size", "4" if big else "2",
+            "--iters", "20" if big else "2", "--warmup", "5" if big else "1",
+            "--schedules", "s1,s2,auto,megatron-alltoall,megatron-allgather",
+            "--moe-parm-chunks", "0", "--ratio-to", "megatron-alltoall"]
+
+
+def _layer_argv(args, name: str) -> list | None:
+    """The bench_moe_layer flags of layer stage `name` (None: the stage has nothing to run)."""
+    if name == "timed layer table":
+        return _timed_argv(args)
+    if name == "MoE layer, grouped experts":
+        flags, _ = grouped_experts(not args.dry_run)
+        return _check_argv(True, flags) if flags else None
+    return _check_argv(name == "MoE layer bf16")
+
+
+def _layer_runs(args, name: str) -> tuple:
+    """(run of layer stage `name` or None, the output that made it). Every layer stage asked
+    (3-6) runs in one launch of bench_moe_layer (--configs: one rendezvous and one start-up,
+    not four); where that launch fails, each stage runs in a launch of its own, so the table
+    says which failed."""
+    if args.layer_runs is None:
+        names = [n for n in LAYER_STAGES if _asked(args, n) and _layer_argv(args, n) is not None]
+        layout = layout_flags(args.nproc)[2:]
+        configs = os.path.join(args.out_dir, "layer_configs.json")
+        with open(configs, "w") as f:
+            json.dump([{"name": n, "argv": [*layout, *_layer_argv(args, n)]} for n in names], f)
+        payload, output = _bench(args, ["--configs", configs],
+                                 os.path.join(args.out_dir, "layers.json"), 300 + 300 * len(names))
+        runs = {r["name"]: r for r in payload["runs"]} if payload else None
+        args.layer_runs = (runs, output)
+    runs, output = args.layer_runs
+    if runs is not None:
+        return runs.get(name), output
+    return _bench(args, _layer_argv(args, name), os.path.join(
+        args.out_dir, f"layer {name}.json".replace(" ", "_").replace(",", "")), 600)
+
+
+def _layer_check(args, name: str, bf16: bool, experts=None) -> tuple:
+    run, output = _layer_runs(args, name)
     if run is None:
         return False, "bench_moe_layer failed", output
     problems, worst, rows = [], {}, 0
@@ -153,38 +203,30 @@ def _layer_check(args, bf16: bool, extra=(), experts=None) -> tuple:
 
 
 def stage_layer_fp32(args) -> tuple:
-    return _layer_check(args, bf16=False)
+    return _layer_check(args, "MoE layer fp32", bf16=False)
 
 
 def stage_layer_bf16(args) -> tuple:
-    return _layer_check(args, bf16=True)
+    return _layer_check(args, "MoE layer bf16", bf16=True)
 
 
 def stage_layer_grouped(args) -> tuple:
     flags, experts = grouped_experts(not args.dry_run)
     if not flags:
         return None, NO_GROUPED, ""
-    return _layer_check(args, bf16=True, extra=flags, experts=experts)
+    return _layer_check(args, "MoE layer, grouped experts", bf16=True, experts=experts)
 
 
 def stage_timed(args) -> tuple:
-    big = not args.dry_run
-    shape = ["--num-experts", "8" if big else "4", "--moe-router-topk", "2",
-             "--hidden-size", "1024" if big else "64",
-             "--moe-ffn-hidden-size", "4096" if big else "128",
-             "--seq-length", "2048" if big else "32", "--micro-batch-size", "4" if big else "2",
-             "--iters", "20" if big else "2", "--warmup", "5" if big else "1",
-             "--schedules", "s1,s2,auto,megatron-alltoall,megatron-allgather",
-             "--moe-parm-chunks", "0", "--ratio-to", "megatron-alltoall"]
-    run, output = _bench(args, shape, os.path.join(args.out_dir, "timed.json"), 600)
+    from parm_trainer.bench.report import format_table
+
+    run, output = _layer_runs(args, "timed layer table")
     if run is None:
         return False, "bench_moe_layer failed", output
-    table = "\n".join(line for line in output.splitlines()
-                      if not line.startswith(("[W", "W1", "I1")))
     times = {name: r["total_ms"]["max"] for name, r in run["schedules"].items()
              if r["status"] == "ok"}
     detail = ", ".join(f"{name} {ms:.2f} ms" for name, ms in times.items())
-    return bool(times), f"fwd+bwd: {detail}", table
+    return bool(times), f"fwd+bwd: {detail}", format_table(run)
 
 
 def pretrain_backend(args) -> list:
@@ -234,10 +276,16 @@ def stage_pretrain(args) -> tuple:
     return ok, detail, output
 
 
+LAYER_STAGES = ("MoE layer fp32", "MoE layer bf16", "MoE layer, grouped experts",
+                "timed layer table")
 STAGES = (("environment", stage_environment), ("collectives", stage_collectives),
           ("MoE layer fp32", stage_layer_fp32), ("MoE layer bf16", stage_layer_bf16),
           ("MoE layer, grouped experts", stage_layer_grouped),
           ("timed layer table", stage_timed), ("short pretrain", stage_pretrain))
+
+
+def _asked(args, name: str) -> bool:
+    return not args.wanted or [n for n, _ in STAGES].index(name) + 1 in args.wanted
 
 
 def main(argv=None) -> int:
@@ -260,10 +308,11 @@ def main(argv=None) -> int:
     if args.nproc is None:
         args.nproc = 2 if args.dry_run else min(8, torch.cuda.device_count())
     os.makedirs(args.out_dir, exist_ok=True)
-    wanted = {int(s) for s in args.only.split(",")} if args.only else None
+    args.wanted = {int(s) for s in args.only.split(",")} if args.only else None
+    args.layer_runs = None  # stages 3-6's one launch, made by the first of them (_layer_runs)
     rows, failed = [], 0
     for number, (name, stage) in enumerate(STAGES, start=1):
-        if wanted and number not in wanted:
+        if not _asked(args, name):
             continue
         start = time.monotonic()
         ok, detail, output = stage(args)
@@ -281,6 +330,9 @@ def main(argv=None) -> int:
     print(f"|{'-' * (width + 2)}|--------|---|--------|")
     for name, verdict, seconds, detail in rows:
         print(f"| {name.ljust(width)} | {verdict} | {seconds} | {detail} |")
+    if args.layer_runs is not None and args.layer_runs[0] is not None:
+        print("(the layer stages ran in one launch of tools/bench_moe_layer.py: its time is on "
+              "the first of them)")
     return 1 if failed else 0
 
 

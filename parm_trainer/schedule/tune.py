@@ -6,9 +6,10 @@ this job's MoE layer under each candidate (s1 and s2, or the schedule given, at 
 and 4, or the depth given, and at depth 2 with --moe-parm-local-first where the exchange
 allows it; those the layout admits), all with one set of weights, times
 forward + backward passes on random tokens of the real shape on the real process groups, in
-rounds that take every candidate in turn (interleaved_times), and takes the fastest (the max
-over ranks of the median, so every rank makes the same choice), after a run-off of the two
-fastest where they lie within 10 % of each other (measured_seconds). That takes seconds. The
+rounds that take every candidate in turn (interleaved_times; a candidate 25 % behind after two
+rounds leaves the race), and takes the fastest (the max over ranks of the median, so every
+rank makes the same choice), after a run-off of the two fastest where they lie within 10 % of
+each other (measured_seconds). That takes seconds. The
 result is cached in a JSON file (--moe-parm-tune-cache, default $PARM_TRAINER_CACHE_DIR or
 ~/.cache/parm_trainer, file moe_tune.json) under a key naming the cluster (world size, ranks
 per node, backend, device, host names) and the layer (layout, shape, dtype, exchange), so a
@@ -20,6 +21,7 @@ says which path was taken.
 from __future__ import annotations
 
 import copy
+import fcntl
 import json
 import os
 import random
@@ -35,6 +37,7 @@ from parm_trainer.schedule.auto import label
 from parm_trainer.parallel import rank_device
 
 WARMUP, ROUNDS = 1, 5
+DROP_AFTER, DROP_MARGIN = 2, 0.25
 RUNOFF_MARGIN, RUNOFF_ROUNDS = 0.10, 6
 
 
@@ -69,9 +72,15 @@ def _key(args, candidates) -> str:
         "exchange": args.moe_parm_exchange, "candidates": [list(c) for c in candidates],
         "blocks": moe_flags.config_fields(args),  # shared expert, routing (moe_flags.py)
         # entries timed otherwise are re-measured
-        "timing": f"interleaved {WARMUP}+{ROUNDS} shuffled, run-off {RUNOFF_ROUNDS} within "
-                  f"{RUNOFF_MARGIN:.0%}, one set of weights"},
+        "timing": f"interleaved {WARMUP}+{ROUNDS} shuffled, out after {DROP_AFTER} if "
+                  f"{DROP_MARGIN:.0%} over, run-off {RUNOFF_ROUNDS} within {RUNOFF_MARGIN:.0%}, "
+                  "one set of weights"},
         sort_keys=True)
+
+
+def _valid(entry) -> bool:
+    return isinstance(entry, dict) and isinstance(entry.get("choice"), list) and \
+        len(entry["choice"]) == 3 and isinstance(entry.get("measured_ms"), dict)
 
 
 def _read(path, key):
@@ -80,26 +89,32 @@ def _read(path, key):
             entry = json.load(f).get(key)
     except (OSError, ValueError, AttributeError):
         return None
-    if isinstance(entry, dict) and isinstance(entry.get("choice"), list) and \
-            len(entry["choice"]) == 3:
-        return entry
-    return None
+    return entry if _valid(entry) else None
 
 
-def _write(path, key, entry) -> None:
-    try:
-        with open(path) as f:
-            table = json.load(f)
-        if not isinstance(table, dict):
-            table = {}
-    except (OSError, ValueError):
-        table = {}
-    table[key] = entry
+def _write(path, key, entry) -> dict:
+    """Add the entry to the cache file and return the entry the file holds for the key: jobs
+    that share the file (two on one machine) take turns under a lock on a file beside it, so
+    neither drops the other's entry, and where another job measured the same layer meanwhile,
+    its entry stays and is returned (every job of that layer then makes one choice)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(table, f, indent=1)
-    os.replace(tmp, path)
+    with open(f"{path}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        try:
+            with open(path) as f:
+                table = json.load(f)
+            if not isinstance(table, dict):
+                table = {}
+        except (OSError, ValueError):
+            table = {}
+        if _valid(table.get(key)):
+            return table[key]
+        table[key] = entry
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(table, f, indent=1)
+        os.replace(tmp, path)
+    return entry
 
 
 def _sync():
@@ -138,25 +153,37 @@ def round_order(items: list, k: int) -> list:
 
 def measured_seconds(candidates: list, run, reduce=lambda seconds: seconds) -> tuple:
     """({candidate: seconds}, the two candidates of the run-off or ()): the medians of
-    interleaved_times, reduced over ranks (reduce maps the list of medians to the list every
-    rank agrees on: the max over ranks), and where the runner-up lies within RUNOFF_MARGIN of
-    the fastest, RUNOFF_ROUNDS more interleaved runs of the two alone, their medians then over
-    all their runs. Five runs each leave the medians 5-10 % apart from one launch to the next
-    on a shared machine, as much as two depths or schedules often differ: the run-off spends
-    its seconds only on such a close call."""
-    times = interleaved_times(candidates, run)
+    interleaved_times, reduced over ranks (reduce maps a list of per-candidate figures to the
+    list every rank agrees on: the max over ranks). After DROP_AFTER rounds a candidate whose
+    fastest pass so far is still more than DROP_MARGIN over the best median leaves the race
+    (its seconds: the median of its passes so far); most of a start-up's passes used to go to
+    depth-4 and local-first candidates two or three times slower than the best. Where the
+    runner-up lies within RUNOFF_MARGIN of the fastest, RUNOFF_ROUNDS more interleaved runs of
+    the two alone, their medians then over all their runs. Five runs each leave the medians
+    5-10 % apart from one launch to the next on a shared machine, as much as two depths or
+    schedules often differ: the run-off spends its seconds only on such a close call."""
+    times = interleaved_times(candidates, run, rounds=min(DROP_AFTER, ROUNDS))
 
-    def reduced() -> dict:
-        return dict(zip(candidates, reduce([statistics.median(times[c]) for c in candidates])))
+    def reduced(which, figure=statistics.median) -> dict:
+        return dict(zip(which, reduce([figure(times[c]) for c in which])))
 
-    seconds = reduced()
-    if len(candidates) > 1:
-        first, second = sorted(candidates, key=seconds.get)[:2]
+    racing = list(candidates)
+    if len(candidates) > 1 and ROUNDS > DROP_AFTER:
+        best = min(reduced(candidates).values())
+        fastest = reduced(candidates, min)
+        racing = [c for c in candidates if fastest[c] <= best * (1 + DROP_MARGIN)]
+        if len(racing) > 1:
+            for candidate, more in interleaved_times(racing, run, warmup=0,
+                                                     rounds=ROUNDS - DROP_AFTER).items():
+                times[candidate] += more
+    seconds = reduced(candidates)
+    if len(racing) > 1:
+        first, second = sorted(racing, key=seconds.get)[:2]
         if seconds[second] <= seconds[first] * (1 + RUNOFF_MARGIN):  # the same on every rank
             for candidate, more in interleaved_times([first, second], run, warmup=0,
                                                      rounds=RUNOFF_ROUNDS).items():
                 times[candidate] += more
-            return reduced(), (first, second)
+            return reduced(candidates), (first, second)
     return seconds, ()
 
 
@@ -296,10 +323,16 @@ def tune_at_startup(args, log=print) -> None:
         source = f"measured at start-up in {time.perf_counter() - start:.1f} s"
         if rank0 and path:
             try:
-                _write(path, key, entry)
-                source += f", cached in {path}"
+                mine, entry = entry, _write(path, key, entry)
+                source += (f", cached in {path}" if entry is mine else
+                           f"; another job cached its own measurement in {path} meanwhile, "
+                           "which is used")
             except OSError as error:
                 source += f" (not cached: {error.strerror} for {path})"
+        if path:  # rank 0's entry, the cache's where another job wrote first
+            shared = [entry, source]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            entry, source = shared
     name, r, local = entry["choice"]
     times = ", ".join(f"{c} {ms:.2f} ms" for c, ms in entry["measured_ms"].items())
     run_off = entry.get("run_off")

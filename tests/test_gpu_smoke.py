@@ -49,9 +49,8 @@ def test_refuses_without_cuda_unless_dry_run():
 def test_layer_stages_share_one_launch_and_fall_back_to_one_each(tmp_path, monkeypatch):
     """Stages 3-6 ask bench_moe_layer for their layers in one launch (--configs); where that
     launch fails, each stage runs its own launch, so the failure is pinned to a stage."""
-    from conftest import load_module
+    from parm_trainer.bench import smoke
 
-    smoke = load_module("tools/gpu_smoke.py", "gpu_smoke")
     launches = []
 
     def bench(args, extra, json_path, timeout):
@@ -65,8 +64,8 @@ def test_layer_stages_share_one_launch_and_fall_back_to_one_each(tmp_path, monke
         return {"name": "alone", "argv": extra}, "alone"
 
     monkeypatch.setattr(smoke, "_bench", bench)
-    args = SimpleNamespace(dry_run=True, nproc=2, out_dir=str(tmp_path), wanted={3, 4, 6},
-                           layer_runs=None)
+    args = SimpleNamespace(dry_run=True, nproc=2, out_dir=str(tmp_path), layer_runs=None,
+                           layer_stages=["MoE layer fp32", "MoE layer bf16", "timed layer table"])
     fail_together = False
     assert smoke._layer_runs(args, "MoE layer fp32") == ({"name": "MoE layer fp32"}, "together")
     assert smoke._layer_runs(args, "timed layer table")[0] == {"name": "timed layer table"}

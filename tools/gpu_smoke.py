@@ -35,49 +35,15 @@ Exit status 0 only if every stage that ran passed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
-import subprocess
 import sys
 import time
 
+from parm_trainer.bench.smoke import (LAYER_STAGES, NO_GROUPED, layout_flags, run,
+                                      stage_layer_bf16, stage_layer_fp32, stage_layer_grouped,
+                                      stage_timed, torchrun)
 from parm_trainer.models.backend import grouped_experts, installed, library_report
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FP32_TOL = 1e-5
-BF16_TOL = {"output": 2e-2, "input_grad": 2e-2, "gate_grad": 5e-2, "expert_grad": 5e-2}
-DIFF_KEYS = ("output", "input_grad", "gate_grad", "expert_grad")
-NO_GROUPED = "skipped: neither Transformer Engine nor grouped_gemm is installed"
-
-
-def _run(command: list, timeout: float) -> tuple:
-    """(exit status, output) of a command run in the repository root."""
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "PYTHONWARNINGS": "ignore"}
-    try:
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
-                              timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as error:
-        return 124, f"timed out after {timeout:.0f} s\n{error.stdout or ''}"
-    return done.returncode, done.stdout + done.stderr
-
-
-def _torchrun(nproc: int) -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-port", str(29600 + os.getpid() % 300)]
-
-
-def layout_flags(nproc: int) -> list:
-    """["--nproc", N, layout flags...] for the ranks there are: MP2 x EP2 x ESP2 with SP on 4
-    or more (the demo's), EP2 on 2, one rank otherwise."""
-    if nproc >= 4:
-        return ["--nproc", "4", "--tensor-model-parallel-size", "2",
-                "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2",
-                "--sequence-parallel"]
-    if nproc >= 2:
-        return ["--nproc", "2", "--expert-model-parallel-size", "2"]
-    return ["--nproc", "1"]
 
 
 def stage_environment(args) -> tuple:
@@ -102,131 +68,12 @@ def stage_environment(args) -> tuple:
 def stage_collectives(args) -> tuple:
     if args.nproc < 2:
         return None, "skipped: one GPU (NCCL needs a GPU per rank)", ""
-    status, output = _run(_torchrun(args.nproc) + ["tools/check_collectives.py"], 300)
+    status, output = run(torchrun(args.nproc) + ["tools/check_collectives.py"], 300)
     lines = [line for line in output.splitlines() if line.startswith(("ok  ", "FAIL"))]
     failed = [line for line in lines if line.startswith("FAIL")]
     ok = status == 0 and lines and not failed
     return ok, f"{len(lines) - len(failed)}/{len(lines)} ops agree" + (
         f"; first failure: {failed[0]}" if failed else ""), output
-
-
-def _bench(args, extra: list, json_path: str, timeout: float) -> tuple:
-    command = [sys.executable, "tools/bench_moe_layer.py", *layout_flags(args.nproc),
-               "--json", json_path, *extra]
-    status, output = _run(command, timeout)
-    if status != 0 or not os.path.exists(json_path):
-        return None, output
-    with open(json_path) as f:
-        return json.load(f), output
-
-
-def _check_argv(bf16: bool, extra=()) -> list:
-    """Stages 3-5: a small layer, every schedule against the reference."""
-    return [*extra, "--num-experts", "4", "--moe-router-topk", "2", "--hidden-size", "64",
-            "--moe-ffn-hidden-size", "128", "--seq-length", "32", "--micro-batch-size", "2",
-            "--moe-aux-loss-coeff", "0.01", "--iters", "0", "--warmup", "0",
-            "--schedules", "baseline,s1,s2,megatron", "--moe-parm-chunks", "2",
-            *(["--bf16"] if bf16 else [])]
-
-
-def _timed_argv(args) -> list:
-    """Stage 6: a larger layer (on a GPU), Parm's schedules and megatron's, timed."""
-    big = not args.dry_run
-    return ["--num-experts", "8" if big else "4", "--moe-router-topk", "2",
-            "--hidden-size", "1024" if big else "64",
-            "--moe-ffn-hidden-size", "4096" if big else "128",
-            "--seq-length", "2048" if big else "32", "--micro-batch-size", "4" if big else "2",
-            "--iters", "20" if big else "2", "--warmup", "5" if big else "1",
-            "--schedules", "s1,s2,auto,megatron-alltoall,megatron-allgather",
-            "--moe-parm-chunks", "0", "--ratio-to", "megatron-alltoall"]
-
-
-def _layer_argv(args, name: str) -> list | None:
-    """The bench_moe_layer flags of layer stage `name` (None: the stage has nothing to run)."""
-    if name == "timed layer table":
-        return _timed_argv(args)
-    if name == "MoE layer, grouped experts":
-        flags, _ = grouped_experts(not args.dry_run)
-        return _check_argv(True, flags) if flags else None
-    return _check_argv(name == "MoE layer bf16")
-
-
-def _layer_runs(args, name: str) -> tuple:
-    """(run of layer stage `name` or None, the output that made it). Every layer stage asked
-    (3-6) runs in one launch of bench_moe_layer (--configs: one rendezvous and one start-up,
-    not four); where that launch fails, each stage runs in a launch of its own, so the table
-    says which failed."""
-    if args.layer_runs is None:
-        names = [n for n in LAYER_STAGES if _asked(args, n) and _layer_argv(args, n) is not None]
-        layout = layout_flags(args.nproc)[2:]
-        configs = os.path.join(args.out_dir, "layer_configs.json")
-        with open(configs, "w") as f:
-            json.dump([{"name": n, "argv": [*layout, *_layer_argv(args, n)]} for n in names], f)
-        payload, output = _bench(args, ["--configs", configs],
-                                 os.path.join(args.out_dir, "layers.json"), 300 + 300 * len(names))
-        runs = {r["name"]: r for r in payload["runs"]} if payload else None
-        args.layer_runs = (runs, output)
-    runs, output = args.layer_runs
-    if runs is not None:
-        return runs.get(name), output
-    return _bench(args, _layer_argv(args, name), os.path.join(
-        args.out_dir, f"layer {name}.json".replace(" ", "_").replace(",", "")), 600)
-
-
-def _layer_check(args, name: str, bf16: bool, experts=None) -> tuple:
-    run, output = _layer_runs(args, name)
-    if run is None:
-        return False, "bench_moe_layer failed", output
-    problems, worst, rows = [], {}, 0
-    for schedule, result in run["schedules"].items():
-        if result["status"] != "ok":
-            continue  # a schedule the layout cannot run (the table says why)
-        rows += 1
-        if experts and result.get("experts") != experts:
-            problems.append(f"{schedule} built {result.get('experts')}, not {experts}")
-        for key in DIFF_KEYS:
-            if bf16:
-                value, bound = result["rel_l2_diff"][key], BF16_TOL[key]
-            else:
-                value = result["max_abs_diff"][key]
-                bound = FP32_TOL * max(1.0, result["reference_max_abs"][key])
-            worst[key] = max(worst.get(key, 0.0), value)
-            if not value <= bound:
-                problems.append(f"{schedule} {key} {value:.1e} > {bound:.1e}")
-    measure = "rel L2" if bf16 else "max abs"
-    built = f" ({experts})" if experts else ""
-    detail = f"{rows} schedules{built}; worst {measure}: " + ", ".join(
-        f"{k} {v:.1e}" for k, v in worst.items())
-    if problems:
-        detail += "; " + "; ".join(problems)
-    return rows > 0 and not problems, detail, output
-
-
-def stage_layer_fp32(args) -> tuple:
-    return _layer_check(args, "MoE layer fp32", bf16=False)
-
-
-def stage_layer_bf16(args) -> tuple:
-    return _layer_check(args, "MoE layer bf16", bf16=True)
-
-
-def stage_layer_grouped(args) -> tuple:
-    flags, experts = grouped_experts(not args.dry_run)
-    if not flags:
-        return None, NO_GROUPED, ""
-    return _layer_check(args, "MoE layer, grouped experts", bf16=True, experts=experts)
-
-
-def stage_timed(args) -> tuple:
-    from parm_trainer.bench.report import format_table
-
-    run, output = _layer_runs(args, "timed layer table")
-    if run is None:
-        return False, "bench_moe_layer failed", output
-    times = {name: r["total_ms"]["max"] for name, r in run["schedules"].items()
-             if r["status"] == "ok"}
-    detail = ", ".join(f"{name} {ms:.2f} ms" for name, ms in times.items())
-    return bool(times), f"fwd+bwd: {detail}", format_table(run)
 
 
 def pretrain_backend(args) -> list:
@@ -248,7 +95,7 @@ def stage_pretrain(args) -> tuple:
     _, nproc, *parallel = layout_flags(args.nproc)  # the layer stages' layout
     backend = pretrain_backend(args)
     nproc = int(nproc)
-    command = _torchrun(nproc) + [
+    command = torchrun(nproc) + [
         "pretrain_gpt_moe.py", "--num-layers", "2", "--hidden-size", "128",
         "--num-attention-heads", "4", "--seq-length", "128", "--max-position-embeddings", "128",
         "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256",
@@ -260,7 +107,7 @@ def stage_pretrain(args) -> tuple:
         "--attention-dropout", "0", "--data-path", args.data_path, "--tokenizer-model",
         args.tokenizer_model, "--data-cache-path", os.path.join(args.out_dir, "data_cache"),
         "--timing-log-level", "1", *parallel, *dtype, *backend]
-    status, output = _run(command, 600)
+    status, output = run(command, 600)
     losses = [float(v) for v in re.findall(r"^iteration .*?\| lm loss ([\d.naninf]+)",
                                            output, re.M)]
     speed = re.findall(r"ms/iter ([\d.]+) \| tokens/s (\d+)", output)
@@ -276,8 +123,6 @@ def stage_pretrain(args) -> tuple:
     return ok, detail, output
 
 
-LAYER_STAGES = ("MoE layer fp32", "MoE layer bf16", "MoE layer, grouped experts",
-                "timed layer table")
 STAGES = (("environment", stage_environment), ("collectives", stage_collectives),
           ("MoE layer fp32", stage_layer_fp32), ("MoE layer bf16", stage_layer_bf16),
           ("MoE layer, grouped experts", stage_layer_grouped),
@@ -309,7 +154,8 @@ def main(argv=None) -> int:
         args.nproc = 2 if args.dry_run else min(8, torch.cuda.device_count())
     os.makedirs(args.out_dir, exist_ok=True)
     args.wanted = {int(s) for s in args.only.split(",")} if args.only else None
-    args.layer_runs = None  # stages 3-6's one launch, made by the first of them (_layer_runs)
+    args.layer_stages = [name for name in LAYER_STAGES if _asked(args, name)]
+    args.layer_runs = None  # stages 3-6's one launch, made by the first of them (smoke.py)
     rows, failed = [], 0
     for number, (name, stage) in enumerate(STAGES, start=1):
         if not _asked(args, name):

@@ -38,8 +38,7 @@ def pytest_sessionfinish(session):
 
 
 def run_tool(*args, timeout=300):
-    result = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True,
-                            text=True, timeout=timeout)
+    result = python(*args, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -197,11 +196,24 @@ def torchrun(argv: list, env: dict = None, timeout: float = 300, real: bool = Fa
 
 
 def _served_launch(argv: list, env: dict, timeout: float) -> tuple:
-    output = Path(f"/tmp/parm_torchrun_{os.getpid()}_{time.monotonic_ns()}.log")
+    status, text, _ = _served({"argv": argv}, env, timeout)
+    if status is None:
+        pytest.fail(f"torchrun {' '.join(argv)}: past its {timeout} s, killed; its output "
+                    f"(each rank's stacks at the end):\n{text[-30000:]}")
+    return status, text
+
+
+def _served(request: dict, env: dict, timeout: float) -> tuple:
+    """(exit status or None past `timeout`, stdout with stderr or stdout alone where the
+    request has "error", stderr then or "") of one request to tests/torchrun_server.py."""
+    stem = f"/tmp/parm_torchrun_{os.getpid()}_{time.monotonic_ns()}"
+    files = {"output": Path(f"{stem}.log")}
+    if request.pop("error", False):
+        files["error"] = Path(f"{stem}.err")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
         client.connect(_torchrun_server())
-        client.sendall((json.dumps({"argv": argv, "env": env, "cwd": str(ROOT),
-                                    "output": str(output)}) + "\n").encode())
+        client.sendall((json.dumps({**request, "env": env, "cwd": str(ROOT),
+                                    **{k: str(v) for k, v in files.items()}}) + "\n").encode())
         replies = client.makefile()
         pid = int(replies.readline())
         client.settimeout(timeout)
@@ -212,12 +224,24 @@ def _served_launch(argv: list, env: dict, timeout: float) -> tuple:
             _abort_one_by_one(pid)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-    text = output.read_text(errors="replace")
-    output.unlink()
+    texts = {k: f.read_text(errors="replace") for k, f in files.items()}
+    for f in files.values():
+        f.unlink()
+    return status, texts["output"], texts.get("error", "")
+
+
+def python(*argv, env: dict = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python ARGV` in ROOT (a script and its arguments, or "-c", code and its arguments) as
+    subprocess.run(..., capture_output=True, text=True) gives it, run by a process forked from
+    tests/torchrun_server.py, which has imported torch, megatron-core and the project once
+    (about 3 s of CPU a fresh Python spends). Not for a test of what a fresh interpreter
+    imports or patches: that one starts its own."""
+    argv = [str(a) for a in argv]
+    status, out, err = _served({"python": argv, "error": True}, {**os.environ, **(env or {})},
+                               timeout)
     if status is None:
-        pytest.fail(f"torchrun {' '.join(argv)}: past its {timeout} s, killed; its output "
-                    f"(each rank's stacks at the end):\n{text[-30000:]}")
-    return status, text
+        pytest.fail(f"python {' '.join(argv)[:300]}: past its {timeout} s, killed:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(["python", *argv], status, out, err)
 
 
 def launch(nproc: int, args: list, tmp_path: Path, timeout: float = 300,
@@ -422,9 +446,15 @@ def pytest_itemcollected(item):
 
 
 def pytest_collection_modifyitems(items):
+    """Mark the tests that start processes; then order the session longest first, as far as
+    the markers tell: the tests of the machine's shared state (a minute or more each, never
+    two of a kind at once), then the other launches, then the in-process tests, which fill
+    the cores at the end instead of leaving one idle while the other ends a long test."""
     for item in items:
         fixtures = getattr(item, "_fixtureinfo", None)
         defs = fixtures.name2fixturedefs.values() if fixtures else ()
         if _function_launches(item.function) or any(_function_launches(d[-1].func)
                                                     for d in defs if d):
             item.add_marker(pytest.mark.launches)
+    items.sort(key=lambda item: (item.get_closest_marker("one_at_a_time") is None,
+                                 item.get_closest_marker("launches") is None))

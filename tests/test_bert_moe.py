@@ -8,8 +8,6 @@ router's load-balancing loss and the tokens each expert received.
 """
 
 import json
-import subprocess
-import sys
 import warnings
 
 import numpy
@@ -17,7 +15,7 @@ import pytest
 import sentencepiece
 import torch
 
-from conftest import ROOT, assert_clean_failure, launch, max_relative, run_tool, tiny_gpt_args
+from conftest import assert_clean_failure, launch, max_relative, python, run_tool, tiny_gpt_args
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # megatron.core: optional GPU extensions missing
@@ -188,9 +186,7 @@ def test_bert_without_moe_exports_to_megatron_bert(bert_data, tmp_path):
     mask = torch.ones(3, 40, dtype=torch.long)
     mask[1, 30:] = 0  # a padded sample
     inputs = repr([tokens.tolist(), types.tolist(), mask.tolist()])
-    result = subprocess.run([sys.executable, "-c", _BERT_LOGITS, str(ckpt), inputs,
-                             str(tmp_path / "logits.pt")], cwd=ROOT, capture_output=True,
-                            text=True, timeout=300)
+    result = python("-c", _BERT_LOGITS, ckpt, inputs, tmp_path / "logits.pt")
     assert result.returncode == 0, result.stderr[-3000:]
     lm, binary = torch.load(tmp_path / "logits.pt")
     with torch.no_grad():

@@ -21,7 +21,7 @@ import pytest
 import sentencepiece
 import torch
 
-from conftest import ROOT, free_port, launch, max_relative, tiny_gpt_args, torchrun
+from conftest import ROOT, free_port, launch, max_relative, python, tiny_gpt_args, torchrun
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -39,8 +39,7 @@ PROMPT = "The module"
 
 
 def convert(*args, timeout=300):
-    return subprocess.run([sys.executable, "tools/checkpoint/convert.py", *map(str, args)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return python("tools/checkpoint/convert.py", *args, timeout=timeout)
 
 
 def generate(nproc, load_dir, *layout, timeout=300):
@@ -76,8 +75,7 @@ def _project_logits(ckpt, sequences, out):
         "positions = torch.arange(tokens.shape[1]).expand_as(tokens)\n"
         "with torch.no_grad():\n"
         "    torch.save(model(tokens, positions, None), sys.argv[3])\n")
-    run = subprocess.run([sys.executable, "-c", script, str(ckpt), repr(sequences), str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    run = python("-c", script, ckpt, repr(sequences), out)
     assert run.returncode == 0, run.stderr[-3000:]
     return torch.load(out)
 

@@ -10,13 +10,13 @@ import inspect
 import json
 import pickle
 import shutil
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import sentencepiece
+
+from conftest import python
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # megatron.core: optional GPU extensions missing
@@ -39,8 +39,7 @@ EXTRA_DOCS = [
 
 def run_tool(name, *args):
     """Run tools/NAME.py as a command line; fail the test with its stderr."""
-    proc = subprocess.run([sys.executable, str(TOOLS / f"{name}.py"), *map(str, args)],
-                          capture_output=True, text=True, cwd=REPO)
+    proc = python(TOOLS / f"{name}.py", *args)
     assert proc.returncode == 0, proc.stderr
     return proc
 

@@ -7,12 +7,10 @@ and PP2 must agree to floating-point reordering. Each launch checks a whole layo
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, launch, max_relative, tiny_gpt_args
+from conftest import launch, max_relative, python, tiny_gpt_args
 from parm_trainer import plots
 from parm_trainer.moe import step_timing
 from parm_trainer.moe.schedules import build_plan
@@ -170,8 +168,7 @@ def assert_memory_as_estimated(run, stages: int) -> None:
 
 def check_plots(run_dir, run):
     """tools/plot_run.py on the run's folder: four PNGs, drawn from what the run logged."""
-    result = subprocess.run([sys.executable, "tools/plot_run.py", str(run_dir)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    result = python("tools/plot_run.py", run_dir, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     names = ("loss", "throughput", "expert_load", "step_times")
     assert result.stdout.splitlines() == [f"wrote {run_dir / 'plots' / n}.png" for n in names]

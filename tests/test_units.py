@@ -180,17 +180,13 @@ def test_progress_lines_and_bar():
 
 
 def test_plot_run_refuses_a_folder_without_a_run(tmp_path):
-    import subprocess
-    import sys
-
-    from conftest import ROOT
+    from conftest import python
 
     for folder, says in ((tmp_path / "missing", "no tensorboard folder"),
                          (tmp_path, "no tensorboard event files")):
         if folder == tmp_path:
             (tmp_path / "tensorboard").mkdir()
-        result = subprocess.run([sys.executable, "tools/plot_run.py", str(folder)], cwd=ROOT,
-                                capture_output=True, text=True, timeout=120)
+        result = python("tools/plot_run.py", folder, timeout=120)
         assert result.returncode == 1 and result.stdout == ""
         (line,) = result.stderr.strip().splitlines()
         assert line.startswith("error: ") and says in line, line

@@ -12,9 +12,11 @@ instead of in a fresh Python that imports everything again. What the ranks run i
 code as a user's launch runs it; only the imports happened before the fork.
 
 Protocol, one connection per launch: the client sends one JSON line {"argv": torchrun's
-arguments, "env": the environment, "cwd": ..., "output": a file for stdout and stderr}; the
-server answers a line with the launch's process id (its own process group: kill the group to
-stop every rank), then, when it ends, a line with its exit status (negative: the signal).
+arguments, "env": the environment, "cwd": ..., "output": a file for stdout and stderr}; or,
+for `python ARGV` (conftest.python: a tool, the imports made already), {"python": ARGV, ...,
+"error": a file for stderr apart}; the server answers a line with the launch's process id
+(its own process group: kill the group to stop every rank), then, when it ends, a line with
+its exit status (negative: the signal).
 """
 
 from __future__ import annotations
@@ -35,14 +37,17 @@ PRELOAD = ("pretrain_gpt_moe.py", "pretrain_bert_moe.py", "tools/generate.py",
 
 
 def preload() -> None:
-    """Import what the entry points import (their top level, not their main), and torch._dynamo,
-    which torch's Adam imports on construction."""
+    """Import what the entry points import (their top level, not their main), torch._dynamo,
+    which torch's Adam imports on construction, and what the converters import."""
     sys.path[0] = ROOT
     sys.argv = ["preload"]  # no --wandb-project: the entry points leave wandb unimported
     for script in PRELOAD:
         runpy.run_path(os.path.join(ROOT, script), run_name="__preload__")
     import torch._dynamo  # noqa: F401
     import torch.distributed.run  # noqa: F401
+    # what the converters' processes (conftest.python) build
+    from transformers import BertForPreTraining, MixtralForCausalLM, Qwen2MoeForCausalLM  # noqa
+    import parm_trainer.convert.hf  # noqa: F401
 
 
 # A rank that has not made its store client (the first step of init_process_group) after this
@@ -140,9 +145,21 @@ def ranks_may_end_with_os_exit() -> None:
     api._wrap = wrapped
 
 
+def run_python(argv: list) -> None:
+    """`python ARGV` in this process: a script and its arguments (sys.path[0] its folder), or
+    -c CODE and its arguments (sys.path[0] ""), run as __main__ as a fresh Python runs them."""
+    if argv[0] == "-c":
+        sys.argv, sys.path[0] = ["-c", *argv[2:]], ""
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__",
+                                                    "__builtins__": __builtins__})
+    else:
+        sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
 def run_launch(request: dict) -> None:
     """In the forked child: become the launch (its own process group, environment, directory
-    and output), then torchrun's main; never returns."""
+    and output), then torchrun's main, or with "python" that command; never returns."""
     status = 1
     try:
         os.setsid()
@@ -153,15 +170,26 @@ def run_launch(request: dict) -> None:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
-        if asks_for_wandb(request["argv"]) and "wandb" in sys.modules \
+        if "error" in request:  # stderr apart
+            fd = os.open(request["error"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 2)
+            os.close(fd)
+        argv = request.get("argv") or request["python"]
+        if asks_for_wandb(argv) and "wandb" in sys.modules \
                 and sys.modules["wandb"] is None:  # the preload's skip_wandb_unless_asked
             del sys.modules["wandb"]  # this run logs to wandb: let it import it
-        from torch.distributed.run import main
+        if "python" in request:
+            run_python(request["python"])
+        else:
+            from torch.distributed.run import main
 
-        main(["--run-path", "--start-method", "fork", *request["argv"]])
+            main(["--run-path", "--start-method", "fork", *argv])
         status = 0
     except SystemExit as stop:
-        status = stop.code if isinstance(stop.code, int) else 1
+        if isinstance(stop.code, int) or stop.code is None:
+            status = stop.code or 0
+        else:  # sys.exit("message"): printed, status 1, as Python does
+            print(stop.code, file=sys.stderr)
     except BaseException:  # torchrun's main has printed what failed (its @record)
         import traceback
 

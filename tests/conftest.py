@@ -278,18 +278,43 @@ def launch_sh_until(nproc: int, args: list, pattern: str = None, then=None,
     job = subprocess.Popen(["bash", "scripts/launch.sh", "pretrain_gpt_moe.py", *map(str, args)],
                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True, env=env)
-    lines, matched = [], None
+    lines, matched, deadline = [], None, time.monotonic() + timeout
     try:
-        for line in job.stdout:
+        for line in _lines_until_the_end(job, deadline):
             lines.append(line)
             if pattern and matched is None and (matched := re.search(pattern, line)):
                 launcher = psutil.Process(job.pid)  # launch.sh execs the torchrun wrapper
                 then(matched, launcher, [rank for rank in launcher.children()
                                          if "pretrain_gpt_moe.py" in " ".join(rank.cmdline())])
-        job.wait(timeout=timeout)
+        job.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         job.kill()
     return job.returncode, "".join(lines)
+
+
+def _lines_until_the_end(job, deadline: float, after_exit_s: float = 10.0):
+    """The lines of job's output as they come, until it ends and its output does (or a process
+    it left behind has kept the output open `after_exit_s` past its end: the test goes on and
+    its checks say what is wrong), or until `deadline`."""
+    import queue
+    import threading
+
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [*map(lines.put, job.stdout), lines.put(None)],
+                     daemon=True).start()
+    ended = None
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
+            if job.poll() is not None:
+                ended = ended or time.monotonic()
+                if time.monotonic() - ended > after_exit_s:
+                    return
+            continue
+        if line is None:
+            return
+        yield line
 
 
 def last_line(output: str) -> str:

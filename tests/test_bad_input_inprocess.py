@@ -18,6 +18,7 @@ import parm_trainer.parallel
 import parm_trainer.training.initialize as initialize
 from conftest import ROOT, load_module as _load
 from parm_trainer import lazy_imports
+from parm_trainer.training import watchdog
 
 
 class ReachedCommunication(AssertionError):
@@ -36,7 +37,7 @@ def entry(monkeypatch):
     monkeypatch.setattr(parm_trainer.compat.cpu, "apply", lambda: None)
     monkeypatch.setattr(parm_trainer.parallel, "initialize_distributed", reached)
     monkeypatch.setattr(initialize, "initialize_distributed", reached)
-    monkeypatch.setattr(initialize, "_stop_child_processes", lambda: None)
+    monkeypatch.setattr(watchdog, "stop_helpers", lambda: None)
     monkeypatch.setattr(os, "_exit", exit_now)
     # importing an entry script would hide wandb from the rest of this pytest process
     monkeypatch.setattr(lazy_imports, "skip_wandb_unless_asked", lambda argv: None)

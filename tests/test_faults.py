@@ -205,3 +205,33 @@ def test_a_launch_whose_rendezvous_hung_runs_once_more(tmp_path):
     status, output = torchrun(["--nproc-per-node", 2, "--master-port", free_port(), script],
                               env={"PARM_TEST_RENDEZVOUS_HANG_S": "0"}, timeout=120)
     assert status != 0 and output.count(RERUN_NOTE) == 1 and "past init" not in output
+
+
+def test_a_rank_ended_by_the_watchdog_takes_its_helpers_with_it(tmp_path):
+    """A rank the watchdog ends (os._exit, no teardown) first kills the processes it started:
+    megatron's per-file checkpoint writers of a save in progress were left running when a rank
+    was stopped during a save, and the orphan held the launcher's output open (the job never
+    ended for its reader; seen in this file's first test)."""
+    import multiprocessing
+    from types import SimpleNamespace
+
+    import psutil
+
+    from parm_trainer.training.watchdog import Watchdog
+
+    pid_file = tmp_path / "helper.pid"
+
+    def rank():
+        helper = subprocess.Popen(["sleep", "60"])
+        pid_file.write_text(str(helper.pid))
+        Watchdog._end(SimpleNamespace(host="here", pid=os.getpid()), {}, 0.0, None)
+
+    process = multiprocessing.get_context("fork").Process(target=rank)
+    process.start()
+    process.join(30)
+    assert process.exitcode == 1
+    helper = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(helper) and psutil.Process(helper).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the rank's helper outlived it"
+        time.sleep(0.05)

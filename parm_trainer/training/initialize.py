@@ -25,7 +25,7 @@ from parm_trainer.planning import layout as pipeline_layout
 from parm_trainer.planning.checks import validate_layout
 from parm_trainer.schedule.auto import resolve_auto_schedule
 from parm_trainer.schedule.tune import tune_at_startup
-from parm_trainer.training import faults
+from parm_trainer.training import faults, watchdog
 
 
 
@@ -169,22 +169,9 @@ def user_errors(*extra_types):
         prefix = "error" if rank == 0 else f"error (rank {rank})"
         error_line.say(f"{prefix}: {error}")
         sys.stdout.flush()
-        _stop_child_processes()
+        watchdog.stop_helpers()
         os._exit(1)  # no teardown: other ranks may already be gone
     except RuntimeError as error:  # a collective whose peer stopped or died: the watchdog's line
-        from parm_trainer.training import watchdog
-
         if not watchdog.is_collective_failure(error):
             raise
-        _stop_child_processes()
-        watchdog.end_on_collective_failure(error)
-
-
-def _stop_child_processes() -> None:
-    """End helpers this rank started (dist_checkpointing's multiprocessing manager): os._exit
-    skips their shutdown, and an orphan would hold the launcher's output pipe open."""
-    import psutil
-
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            child.kill()
+        watchdog.end_on_collective_failure(error)  # its helpers stopped first

@@ -131,6 +131,7 @@ class Watchdog:
         if line:
             error_line.say(f"error: {line}")
         sys.stdout.flush()
+        stop_helpers()
         os._exit(1)
 
 
@@ -217,7 +218,23 @@ def end_on_collective_failure(error: BaseException) -> None:
     error_line.say(f"error: a collective failed ({first[:300]}); --watchdog-timeout-minutes 0, "
                    f"so no rank is named")
     sys.stdout.flush()
+    stop_helpers()
     os._exit(1)
+
+
+def stop_helpers() -> None:
+    """SIGKILL every process this rank started (the checkpoint writers megatron forks per file,
+    the results queue's manager, DataLoader workers) before it ends with os._exit, which skips
+    their shutdown: torchrun signals a rank's process group only while the rank itself lives,
+    and an orphaned writer would hold the launcher's output pipe open (the job's output never
+    ends) or write on into the checkpoint directory."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
 
 
 def beat(iteration: int, phase: str) -> None:

@@ -155,17 +155,6 @@ def test_resume_under_another_layout(bert_data, tmp_path):
 
 
 
-_BERT_LOGITS = """
-import sys, torch
-from parm_trainer.convert.hf import load_one_rank
-model, _ = load_one_rank(sys.argv[1])
-tokens, types, mask = (torch.tensor(x) for x in eval(sys.argv[2]))
-with torch.no_grad():
-    lm, binary = model(tokens, mask, tokentype_ids=types)
-torch.save((lm, binary), sys.argv[3])
-"""
-
-
 def test_bert_without_moe_exports_to_megatron_bert(bert_data, tmp_path):
     """A BERT with no MoE layers is what transformers' MegatronBertForPreTraining computes:
     its masked-LM and sentence-order logits equal the project's (1e-4), padding included."""
@@ -185,8 +174,10 @@ def test_bert_without_moe_exports_to_megatron_bert(bert_data, tmp_path):
     types = (torch.arange(40) >= 20).long().expand(3, 40).contiguous()
     mask = torch.ones(3, 40, dtype=torch.long)
     mask[1, 30:] = 0  # a padded sample
-    inputs = repr([tokens.tolist(), types.tolist(), mask.tolist()])
-    result = python("-c", _BERT_LOGITS, ckpt, inputs, tmp_path / "logits.pt")
+    inputs = tmp_path / "inputs.json"
+    inputs.write_text(json.dumps({"tokens": tokens.tolist(), "types": types.tolist(),
+                                  "mask": mask.tolist()}))
+    result = python("tests/worker_project_logits.py", ckpt, inputs, tmp_path / "logits.pt")
     assert result.returncode == 0, result.stderr[-3000:]
     lm, binary = torch.load(tmp_path / "logits.pt")
     with torch.no_grad():

@@ -120,33 +120,6 @@ def test_inter_alltoall_beta_is_per_byte_that_crosses(tmp_path, capsys):
     assert profile.collectives["alltoall"]["intra"][1] == pytest.approx(1e-9)
 
 
-WAIT_SCRIPT = '''
-import statistics
-import torch, torch.distributed as dist
-from parm_trainer.bench.calibration import waits
-dist.init_process_group("gloo")
-made = []
-enumerate_groups = dist.new_subgroups_by_enumeration
-def recorded(ranks, **kwargs):
-    made.append(ranks)
-    return enumerate_groups(ranks, **kwargs)
-dist.new_subgroups_by_enumeration = recorded
-points = waits.measure_sync_wait(1, 0, torch.device("cpu"), 1, per_node=2, rounds=2)
-burst = waits.measure_burst(2, torch.device("cpu"), per_node=2, pause=0.01)
-one_node = waits.measure_burst(2, torch.device("cpu"), per_node=4)
-if dist.get_rank() == 0:
-    # the points go round by round, collective by collective, stretch by stretch
-    stretch = [statistics.median(c for i, (c, _) in enumerate(points) if i % 3 == k)
-               for k in range(3)]
-    print("groups", made, "points", len(points), "ok",
-          all(stretch > 0 and wait >= 0 for stretch, wait in points),
-          "stretches", stretch[2] > 3 * stretch[0])
-    print("burst sizes", [b for b, _, _ in burst], "timed",
-          all(s > 0 and p > 0 for _, s, p in burst), "one node", one_node)
-dist.destroy_process_group()
-'''
-
-
 @pytest.mark.alone  # the stretches are GEMMs timed against the cores' own speed
 def test_wait_at_a_call_is_measured_in_each_nodes_group(tmp_path):
     """On 2 nodes x 2 ranks the wait is measured in the groups where MP collectives run (each
@@ -155,10 +128,8 @@ def test_wait_at_a_call_is_measured_in_each_nodes_group(tmp_path):
     send from the first node to the second back to back and after a pause at every size
     (none on one node)."""
     from conftest import free_port, torchrun
-    script = tmp_path / "wait.py"
-    script.write_text(WAIT_SCRIPT)
-    status, output = torchrun(["--nproc-per-node", 4, "--master-port", free_port(), script],
-                              timeout=120)
+    status, output = torchrun(["--nproc-per-node", 4, "--master-port", free_port(),
+                               "tests/worker_calibration_waits.py"], timeout=120)
     assert status == 0, output[-3000:]
     assert "groups [[[0, 1], [2, 3]]] points 18 ok True stretches True" in output
     from parm_trainer.bench.calibration.waits import BURST_SIZES

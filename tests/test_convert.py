@@ -66,16 +66,10 @@ def exported(gpt_data, tmp_path_factory):
 
 
 def _project_logits(ckpt, sequences, out):
-    """The project's model on one rank (as the converter loads it), in a fresh process."""
-    script = (
-        "import sys, torch\n"
-        "from parm_trainer.convert.hf import load_one_rank\n"
-        "model, _ = load_one_rank(sys.argv[1])\n"
-        "tokens = torch.tensor(eval(sys.argv[2]))\n"
-        "positions = torch.arange(tokens.shape[1]).expand_as(tokens)\n"
-        "with torch.no_grad():\n"
-        "    torch.save(model(tokens, positions, None), sys.argv[3])\n")
-    run = python("-c", script, ckpt, repr(sequences), out)
+    """The project's model on one rank (as the converter loads it), in a process of its own."""
+    inputs = out.with_suffix(".json")
+    inputs.write_text(json.dumps({"tokens": sequences}))
+    run = python("tests/worker_project_logits.py", ckpt, inputs, out)
     assert run.returncode == 0, run.stderr[-3000:]
     return torch.load(out)
 
@@ -263,19 +257,6 @@ def test_qwen2_moe_refusals(gpt_data, tmp_path):
 
 
 TRANSFORMERS_4 = ROOT / ".venv" / "transformers4"
-TRANSFORMERS_4_SCRIPT = """
-import json, sys, torch, transformers
-assert transformers.__version__.startswith("4."), transformers.__version__
-out = {"version": transformers.__version__}
-for directory, sequences, texts in json.loads(sys.argv[1]):
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    with torch.no_grad():
-        logits = model(torch.tensor(sequences)).logits
-    out[directory] = {"class": type(model).__name__, "logits": logits.tolist(),
-                      "ids": [tokenizer(text)["input_ids"] for text in texts]}
-print(json.dumps(out))
-"""
 
 
 def test_transformers_4_loads_both_exports(exported, qwen2, gpt_data):
@@ -286,7 +267,7 @@ def test_transformers_4_loads_both_exports(exported, qwen2, gpt_data):
              open(gpt_data["dir"] / "corpus.jsonl").read().splitlines()[:5]]
     directories = [str(exported[1]), str(qwen2[3] / "back")]
     run = subprocess.run(
-        [sys.executable, "-c", TRANSFORMERS_4_SCRIPT,
+        [sys.executable, "tests/worker_transformers4.py",
          json.dumps([[d, sequences, texts] for d in directories])],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONPATH": str(TRANSFORMERS_4), "PYTHONWARNINGS": "ignore"})

@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 DATA   := data/demo
 NPROC  ?= 4
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 
 .PHONY: setup data data-bert demo demo-bert test test-fast clean-demo
 
@@ -56,9 +56,10 @@ demo: setup data
 demo-bert: setup data-bert
 	PYTHON=$(PY) NPROC=$(NPROC) bash scripts/demo_bert_moe.sh
 
-# two workers: a launch's ranks spend a third of their time waiting on each other's gloo
-# messages with the cores idle, which the other worker's test fills (tests/conftest.py: tests
-# that share the machine's namespaces never run two at once, tests marked `alone` with no other)
+# three workers on 2 cores: a launch's ranks spend much of their time waiting on each other's
+# gloo messages with the cores idle, which the other workers' tests fill (measured on 2 cores:
+# 609 s with 3, 661-705 s with 2; tests/conftest.py: tests that share the machine's namespaces
+# never run two at once, tests marked `alone` with no other)
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
 

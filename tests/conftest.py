@@ -369,7 +369,8 @@ def assert_clean_failure(run: Run, *needles):
 # uses calls one of conftest's launchers or a subprocess function. `make test-fast` runs the
 # others (pytest -m "not launches").
 
-LAUNCHERS = {"launch", "torchrun", "launch_sh", "launch_sh_until", "run_rank_workers", "run_tool"}
+LAUNCHERS = {"launch", "torchrun", "launch_sh", "launch_sh_until", "run_rank_workers", "run_tool",
+             "python"}
 _LAUNCHING: dict = {}  # module file -> names of its functions that launch
 
 

@@ -111,7 +111,7 @@ class ModelCost:
 
     # --- pieces ----------------------------------------------------------------------------------
     def embedding(self) -> Piece:
-        a, n, M = self.args, self.n, self.args.hidden_size
+        n, M = self.n, self.args.hidden_size
         reduce = self.coll("reducescatter" if self.sp else "allreduce", n * M * self.e, self.tp)
         look = self.traffic(2 * n * M * self.e)
         return Piece("E", look + reduce, 2 * look + reduce, self.vocab * M / self.tp, 0.0,
@@ -224,7 +224,7 @@ class ModelCost:
                      self.args.hidden_size, experts, self.activations(kind))
 
     def head(self) -> Piece:
-        a, n, M, V, T = self.args, self.n, self.args.hidden_size, self.vocab, self.tp
+        n, M, V, T = self.n, self.args.hidden_size, self.vocab, self.tp
         gather = self.coll("allgather", n * M * self.e / T, T) if self.sp else 0.0
         logits = self.traffic(4 * n * V / T * self.e)
         gemm = self.gemm(2 * n * M * V / T)

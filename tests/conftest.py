@@ -203,12 +203,13 @@ def _served_launch(argv: list, env: dict, timeout: float) -> tuple:
     return status, text
 
 
-def _served(request: dict, env: dict, timeout: float) -> tuple:
-    """(exit status or None past `timeout`, stdout with stderr or stdout alone where the
-    request has "error", stderr then or "") of one request to tests/torchrun_server.py."""
+def _served(request: dict, env: dict, timeout: float, stderr_apart: bool = False) -> tuple:
+    """(exit status or None past `timeout`, stdout with stderr (stdout alone with
+    stderr_apart), stderr with stderr_apart else "") of one request to
+    tests/torchrun_server.py."""
     stem = f"/tmp/parm_torchrun_{os.getpid()}_{time.monotonic_ns()}"
     files = {"output": Path(f"{stem}.log")}
-    if request.pop("error", False):
+    if stderr_apart:
         files["error"] = Path(f"{stem}.err")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
         client.connect(_torchrun_server())
@@ -231,14 +232,14 @@ def _served(request: dict, env: dict, timeout: float) -> tuple:
 
 
 def python(*argv, env: dict = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python ARGV` in ROOT (a script and its arguments, or "-c", code and its arguments) as
-    subprocess.run(..., capture_output=True, text=True) gives it, run by a process forked from
+    """`python SCRIPT ARGS` in ROOT as subprocess.run(..., capture_output=True, text=True)
+    gives it, run by a process forked from
     tests/torchrun_server.py, which has imported torch, megatron-core and the project once
     (about 3 s of CPU a fresh Python spends). Not for a test of what a fresh interpreter
     imports or patches: that one starts its own."""
     argv = [str(a) for a in argv]
-    status, out, err = _served({"python": argv, "error": True}, {**os.environ, **(env or {})},
-                               timeout)
+    status, out, err = _served({"python": argv}, {**os.environ, **(env or {})}, timeout,
+                               stderr_apart=True)
     if status is None:
         pytest.fail(f"python {' '.join(argv)[:300]}: past its {timeout} s, killed:\n{err[-3000:]}")
     return subprocess.CompletedProcess(["python", *argv], status, out, err)

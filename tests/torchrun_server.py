@@ -13,10 +13,10 @@ code as a user's launch runs it; only the imports happened before the fork.
 
 Protocol, one connection per launch: the client sends one JSON line {"argv": torchrun's
 arguments, "env": the environment, "cwd": ..., "output": a file for stdout and stderr}; or,
-for `python ARGV` (conftest.python: a tool, the imports made already), {"python": ARGV, ...,
-"error": a file for stderr apart}; the server answers a line with the launch's process id
-(its own process group: kill the group to stop every rank), then, when it ends, a line with
-its exit status (negative: the signal).
+for `python SCRIPT ARGS` (conftest.python: a tool, the imports made already), {"python":
+[SCRIPT, *ARGS], ..., "error": a file for stderr apart}; the server answers a line with the
+launch's process id (its own process group: kill the group to stop every rank), then, when
+it ends, a line with its exit status (negative: the signal).
 """
 
 from __future__ import annotations
@@ -146,15 +146,10 @@ def ranks_may_end_with_os_exit() -> None:
 
 
 def run_python(argv: list) -> None:
-    """`python ARGV` in this process: a script and its arguments (sys.path[0] its folder), or
-    -c CODE and its arguments (sys.path[0] ""), run as __main__ as a fresh Python runs them."""
-    if argv[0] == "-c":
-        sys.argv, sys.path[0] = ["-c", *argv[2:]], ""
-        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__",
-                                                    "__builtins__": __builtins__})
-    else:
-        sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.abspath(argv[0]))
-        runpy.run_path(argv[0], run_name="__main__")
+    """`python SCRIPT ARGS` in this process: the script run as __main__ with its folder first
+    on sys.path, as a fresh Python runs it."""
+    sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.abspath(argv[0]))
+    runpy.run_path(argv[0], run_name="__main__")
 
 
 def run_launch(request: dict) -> None:

@@ -96,8 +96,7 @@ def _layer_runs(args, name: str) -> tuple:
     not four); where that launch fails, each stage runs in a launch of its own, so the table
     says which failed."""
     if args.layer_runs is None:
-        names = [n for n in LAYER_STAGES if n in args.layer_stages
-                 and _layer_argv(args, n) is not None]
+        names = [n for n in args.layer_stages if _layer_argv(args, n) is not None]
         layout = layout_flags(args.nproc)[2:]
         configs = os.path.join(args.out_dir, "layer_configs.json")
         with open(configs, "w") as f:

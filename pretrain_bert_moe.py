@@ -39,6 +39,9 @@ from parm_trainer.training.loop import pretrain
 def check_bert_inputs(args):
     """Before any communication: the tokenizer's special tokens, sentence-level data (the
     flags' ranges: parse_args's)."""
+    if args.mock_data:  # megatron-core has a mock GPT dataset only
+        raise InputError("--mock-data is for GPT (megatron-core has no mock BERT dataset); "
+                         "give --data-path")
     check_bert_tokenizer(args.tokenizer)
     for prefix in parse_data_path(args.data_path)[0]:
         check_sentence_level(prefix)

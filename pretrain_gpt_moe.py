@@ -36,7 +36,7 @@ def model_provider(args, config, pre_process=True, post_process=True, vp_stage=N
 
 def datasets_provider(args, num_samples):
     return build_gpt_datasets(args.data_path, args.split, args.seq_length, args.seed,
-                              args.tokenizer, num_samples, args.data_cache_path)
+                              args.tokenizer, num_samples, args.data_cache_path, args.mock_data)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

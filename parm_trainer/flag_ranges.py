@@ -47,6 +47,7 @@ RANGES = {
     "adam_beta1": BELOW_1, "adam_beta2": BELOW_1, "adam_eps": AT_LEAST_0,
     "seed": (0, 2**32 - 1, True, True),  # numpy's seed range (the data samplers')
     "exit_interval": AT_LEAST_0, "exit_duration_in_mins": POSITIVE,
+    "manual_gc_interval": AT_LEAST_0,
     # data, evaluation, logging
     "num_workers": AT_LEAST_0, "eval_interval": AT_LEAST_1, "eval_iters": AT_LEAST_0,
     "save_interval": AT_LEAST_0, "log_interval": AT_LEAST_1,

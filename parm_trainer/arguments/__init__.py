@@ -10,6 +10,7 @@ argparse.Namespace with derived fields filled in (data-parallel size, number of 
     flags.py       the flags and the parser
     checks.py      the checks of parsed values (one ArgumentsError line each)
     round_trip.py  the model's flags, and the command line that gives a set of values
+    megatron_only.py  Megatron-LM's flags with no effect here, or refused
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from parm_trainer.arguments.checks import check
 from parm_trainer.arguments.flags import add_bert_args, build_parser
+from parm_trainer.arguments.megatron_only import notes
 from parm_trainer.arguments.round_trip import command_line, model_argument_names
 from parm_trainer.errors import ArgumentsError
 
@@ -30,9 +32,12 @@ __all__ = ["ArgumentsError", "add_bert_args", "build_parser", "command_line",
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, extra_args_provider=None,
-               world_size: Optional[int] = None) -> argparse.Namespace:
-    """Parse flags and fill in defaults that depend on other flags and the world size."""
+               world_size: Optional[int] = None, override=None) -> argparse.Namespace:
+    """Parse flags and fill in defaults that depend on other flags and the world size.
+    override(args, given) -> lines to log: changes the parsed values before the defaults that
+    depend on them (given: the flags on the command line, as attribute names)."""
     args = build_parser(extra_args_provider).parse_args(argv)
+    overridden = override(args, _given(argv, extra_args_provider)) if override else []
     args.world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if args.ffn_hidden_size is None:  # `is None`: a 0 given is refused, not replaced
         args.ffn_hidden_size = 4 * args.hidden_size
@@ -51,5 +56,21 @@ def parse_args(argv: Optional[Sequence[str]] = None, extra_args_provider=None,
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32
     if args.moe_pad_expert_input_to_capacity:  # Megatron-LM's flag: experts padded to capacity
         args.moe_parm_exchange = "padded"
+    args.start_notes = overridden + notes(args)  # the lines start-up logs once (initialize.py)
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        args.sequence_parallel = False  # as Megatron-LM: no numerics change without MP
+        args.start_notes.append("--sequence-parallel is off: the tensor model parallel size is "
+                                "1 (as in Megatron-LM)")
+    if args.transformer_impl == "local" and args.attention_backend in ("flash", "fused"):
+        args.start_notes.append(f"--attention-backend {args.attention_backend}: megatron-core's "
+                                f"unfused DotProductAttention runs under --transformer-impl local")
     check(args)
     return args
+
+
+def _given(argv, extra_args_provider) -> set:
+    """The attribute names of the flags on the command line (a parser without defaults)."""
+    parser = build_parser(extra_args_provider)
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))

@@ -9,6 +9,7 @@ import re
 import torch
 
 from parm_trainer import flag_ranges, moe_flags
+from parm_trainer.arguments.megatron_only import problem as refused_flag
 from parm_trainer.errors import ArgumentsError
 
 
@@ -22,6 +23,18 @@ def check(args) -> None:
         raise ArgumentsError("--use-distributed-optimizer supports --optimizer adam only")
     if not 0 <= args.min_lr <= args.lr:
         raise ArgumentsError(f"--min-lr {args.min_lr} must be between 0 and --lr {args.lr}")
+    if (refused := refused_flag(args)) is not None:
+        raise ArgumentsError(refused)
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ArgumentsError("--overlap-param-gather needs --use-distributed-optimizer (it "
+                             "overlaps the distributed optimizer's parameter all-gather)")
+    if args.overlap_param_gather and not args.overlap_grad_reduce:
+        raise ArgumentsError("--overlap-param-gather needs --overlap-grad-reduce "
+                             "(as in Megatron-LM)")
+    if not args.add_position_embedding and args.position_embedding_type != "rope":
+        raise ArgumentsError("--no-position-embedding is deprecated in Megatron-LM and valid "
+                             "only with --position-embedding-type rope; use "
+                             "--position-embedding-type")
     _check_backend(args)
     if (moe_problem := moe_flags.problem(args)) is not None:
         raise ArgumentsError(moe_problem)

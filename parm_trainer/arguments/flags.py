@@ -9,6 +9,7 @@ import sys
 from typing import Callable, Optional
 
 from parm_trainer import error_line, moe_flags
+from parm_trainer.arguments.megatron_only import add_flags as add_megatron_only_flags
 from parm_trainer.layer_pattern import moe_layer_freq
 
 # signals --exit-signal-handler can catch (Megatron-LM takes any name of signal.Signals)
@@ -34,6 +35,9 @@ def _model_group(parser):
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"],
                    default="learned_absolute", help="Position encoding.")
     g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base (theta).")
+    g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
+                   help="No learned position table (Megatron-LM's deprecated flag): valid only "
+                        "with --position-embedding-type rope, which has none.")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
                    help="Norm layer type.")
     g.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of the norms.")
@@ -52,6 +56,12 @@ def _model_group(parser):
                         "modules (the default here; they run everywhere, and use apex's fused "
                         "LayerNorm where apex is installed) or Transformer Engine's fused ones "
                         "(NVIDIA GPUs with transformer_engine installed; Megatron-LM's default).")
+    g.add_argument("--attention-backend", choices=["flash", "fused", "unfused", "local", "auto"],
+                   default="auto",
+                   help="Attention kernels (megatron-core's AttnBackend): with --transformer-impl "
+                        "transformer_engine, Transformer Engine's choice (auto) or the one named; "
+                        "with local, megatron-core's unfused DotProductAttention whatever is "
+                        "named (a start-up line says so for flash and fused).")
     g.add_argument("--init-method-std", type=float, default=0.02,
                    help="Std of the normal weight init (output projections scaled by 1/sqrt(2L)).")
 
@@ -80,7 +90,7 @@ def _moe_group(parser):
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.01,
                    help="Weight of the load-balancing loss.")
     g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="Weight of router z-loss.")
-    g.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"],
+    g.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather", "flex"],
                    default="alltoall", help="megatron-core dispatcher used by the megatron schedule.")
     moe_flags.add_flags(g)
     g.add_argument("--moe-parm-schedule", choices=["auto", "s1", "s2", "baseline", "megatron"],
@@ -178,6 +188,11 @@ def _parallel_group(parser):
     g.add_argument("--no-overlap-grad-reduce", action="store_false", dest="overlap_grad_reduce",
                    help="Reduce gradients after the backward pass (the default; undoes an "
                         "--overlap-grad-reduce given before it).")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="With --use-distributed-optimizer and --overlap-grad-reduce: gather the "
+                        "updated parameters bucket by bucket during the next forward pass, each "
+                        "waited for by the first module that uses it (megatron-core DDP's "
+                        "forward pre-hooks), instead of all at once after the optimizer step.")
     g.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
                    help="Overlap the MoE layers' expert-parallel exchange with the computation "
                         "of another micro-batch: without pipeline parallelism the micro-batches "
@@ -239,12 +254,23 @@ def _training_group(parser):
                         "(every rank agrees at the iteration boundary).")
     g.add_argument("--exit-signal", default="SIGTERM", choices=EXIT_SIGNALS,
                    help="The signal --exit-signal-handler waits for (slurm's --signal).")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Turn Python's automatic garbage collector off and collect at chosen "
+                        "iterations instead, so that no rank pauses for it at its own moment.")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="With --manual-gc: collect every this many iterations (0: at start-up "
+                        "and around evaluations only).")
+    g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                   help="With --manual-gc: do not collect before and after each evaluation.")
 
 
 def _data_group(parser):
     g = parser.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None,
                    help="Indexed dataset prefixes, optionally weighted: 'w1 p1 w2 p2'.")
+    g.add_argument("--mock-data", action="store_true",
+                   help="Train on synthetic data instead of --data-path: megatron-core's "
+                        "MockGPTDataset (sequences of the tokenizer's vocabulary, no files).")
     g.add_argument("--split", default="969,30,1", help="Train,valid,test proportions.")
     g.add_argument("--tokenizer-type", default="SentencePieceTokenizer", help="Tokenizer kind.")
     g.add_argument("--tokenizer-model", default=None, help="Tokenizer model file.")
@@ -260,6 +286,16 @@ def _eval_ckpt_log_group(parser):
     g.add_argument("--load", default=None, help="Checkpoint directory to resume from.")
     g.add_argument("--save-interval", type=int, default=None, help="Save every n iterations.")
     g.add_argument("--no-load-optim", action="store_true", help="Load weights only.")
+    g.add_argument("--no-save-optim", action="store_true",
+                   help="Save the weights without the optimizer and LR-schedule state (a resume "
+                        "from it starts them afresh, as --no-load-optim).")
+    g.add_argument("--no-save-rng", action="store_true",
+                   help="Save no RNG streams (a resume from it starts them from --seed).")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="Take the model's flags from the --load checkpoint's run.json (Megatron-"
+                        "LM's list: sizes, attention, norms, experts and routing); sizes given "
+                        "on the command line win, the rest are the checkpoint's. Without "
+                        "--tokenizer-model, the checkpoint's copy of its tokenizer is used.")
     g.add_argument("--finetune", action="store_true",
                    help="Load the weights only and start at iteration 0 (no optimizer, LR "
                         "schedule, RNG or data position from the checkpoint).")
@@ -282,6 +318,9 @@ def _eval_ckpt_log_group(parser):
                         "once every rank has written, and at the latest before the next save "
                         "and at the end.")
     g.add_argument("--log-interval", type=int, default=10, help="Log every n iterations.")
+    g.add_argument("--log-throughput", action="store_true",
+                   help="Add Megatron-LM's 'throughput per GPU (TFLOP/s/GPU)' to the log line "
+                        "and a 'throughput' scalar to tensorboard and wandb.")
     g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=0,
                    help="Per log interval, where an iteration's time goes: 0 nothing timed; 1 "
                         "forward-backward, gradient sync, optimizer and data; 2 also megatron's "
@@ -312,6 +351,18 @@ def add_bert_args(parser):
                    help="Probability of a sample shorter than --seq-length.")
 
 
+class _DefaultsShown(argparse.HelpFormatter):
+    """--help names each flag's default, as Megatron-LM's users look it up; a help text that
+    already says what the default is keeps its own words."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" in text.lower() or action.default is argparse.SUPPRESS
+                or not action.option_strings or isinstance(action, argparse._HelpAction)):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse's parser; under the project's launcher its error line goes to the launcher,
     which prints it last (error_line.py), after the usage."""
@@ -326,10 +377,11 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
     parser = _Parser(
         description="parm_trainer: MoE pretraining on megatron-core with Parm's schedules.",
-        allow_abbrev=False)
+        allow_abbrev=False, formatter_class=_DefaultsShown)
     for add in (_model_group, _moe_group, _parallel_group, _training_group, _data_group,
                 _eval_ckpt_log_group):
         add(parser)
     if extra_args_provider is not None:
         extra_args_provider(parser)
+    add_megatron_only_flags(parser)
     return parser

@@ -17,7 +17,7 @@ import struct
 
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import DType
 from megatron.core.datasets.utils import Split, get_blend_from_list
 from parm_trainer.errors import DataError
@@ -165,7 +165,8 @@ def _rank_zero_without_distributed():
 def common_config(data_path, split, seq_length, seed, tokenizer, data_cache_path) -> dict:
     """The BlendedMegatronDatasetConfig fields GPT and BERT datasets share."""
     return dict(random_seed=seed, sequence_length=seq_length,
-                blend=parse_data_path(data_path), split=split, tokenizer=tokenizer,
+                blend=parse_data_path(data_path) if data_path else None, split=split,
+                tokenizer=tokenizer,
                 path_to_cache=data_cache_path, mid_level_dataset_surplus=0.005)
 
 
@@ -178,7 +179,7 @@ def build_splits(dataset_class, config, num_samples):
 
 
 def build_gpt_datasets(data_path, split, seq_length, seed, tokenizer, num_samples,
-                       data_cache_path=None):
+                       data_cache_path=None, mock=False):
     """Build (train, valid, test) GPTDatasets; a split with weight 0 is None.
 
     data_path follows Megatron-LM's --data-path (prefixes, optionally with
@@ -187,6 +188,9 @@ def build_gpt_datasets(data_path, split, seq_length, seed, tokenizer, num_sample
     Sample indices are cached under data_cache_path; without one, megatron
     caches each prefix's under PREFIX/cache/GPTDataset_indices/ (a directory
     named like the prefix, next to its .bin/.idx) and blends are not cached.
+
+    mock (--mock-data; data_path None): megatron-core's MockGPTDataset, synthetic sequences
+    of the tokenizer's vocabulary, each split the same size (megatron's split 1,1,1).
 
     Works without torch.distributed. When it is initialized, every rank must
     call this: rank 0 builds the indices first and the others then load them
@@ -199,6 +203,8 @@ def build_gpt_datasets(data_path, split, seq_length, seed, tokenizer, num_sample
         eod_mask_loss=False,
         create_attention_mask=False,  # causal masking happens inside the model
     )
+    if mock:  # megatron-core sets config.mock itself where there is no blend
+        return build_splits(MockGPTDataset, config, num_samples)
     for prefix in config.blend[0]:
         num_seqs, _ = check_indexed_dataset(prefix)
         check_splits_not_empty(prefix, num_seqs, config.split_matrix, num_samples)

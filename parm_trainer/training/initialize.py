@@ -25,22 +25,25 @@ from parm_trainer.planning import layout as pipeline_layout
 from parm_trainer.planning.checks import validate_layout
 from parm_trainer.schedule.auto import resolve_auto_schedule
 from parm_trainer.schedule.tune import tune_at_startup
-from parm_trainer.training import faults, watchdog
+from parm_trainer.training import checkpoint_args, faults, watchdog
 
 
 
 
 def _check_inputs(args) -> None:
-    if not args.data_path:
+    if args.mock_data and args.data_path:
+        raise InputError("--mock-data trains on synthetic data: leave out --data-path, or "
+                         "--mock-data to train on it")
+    if not args.data_path and not args.mock_data:
         raise InputError("--data-path is required (an indexed dataset prefix, "
-                         "e.g. data/demo/corpus_text_document)")
+                         "e.g. data/demo/corpus_text_document), or --mock-data")
     if not args.tokenizer_model:
         raise InputError("--tokenizer-model is required")
     if not os.path.isfile(args.tokenizer_model):
         raise InputError(f"--tokenizer-model {args.tokenizer_model}: no such file")
     from parm_trainer.data.gpt_datasets import check_indexed_dataset, parse_data_path
 
-    prefixes, _ = parse_data_path(args.data_path)
+    prefixes, _ = parse_data_path(args.data_path) if args.data_path else ([], None)
     for prefix in prefixes:  # missing, corrupt or truncated files fail here, on every rank
         check_indexed_dataset(prefix)
     for flag in ("load", "save", "tensorboard_dir", "data_cache_path", "wandb_save_dir"):
@@ -60,7 +63,9 @@ def initialize(argv=None, extra_args_provider=None, check_inputs=None):
     """Parse flags, check them, build the tokenizer (args.tokenizer, args.padded_vocab_size),
     apply the CPU layer if needed, start the process groups. check_inputs(args): the entry
     point's own checks, run with the tokenizer built and before any communication."""
-    args = parse_args(argv, extra_args_provider)
+    args = parse_args(argv, extra_args_provider, override=checkpoint_args.apply)
+    for line in args.start_notes:  # Megatron-LM flags with no effect here, and the like
+        _print_rank_0(line)
     faults.configure()
     resolve_auto_schedule(args, log=_print_rank_0)
     validate_layout(args)

@@ -28,8 +28,8 @@ from parm_trainer.layer_pattern import moe_layer_pattern
 from parm_trainer.models.config import num_moe_layers, transformer_config
 from parm_trainer.parallel import destroy_distributed, rank_device
 from parm_trainer.planning.paired_microbatches import not_applied as pairs_not_applied
-from parm_trainer.training import (checkpoint, faults, memory, memory_probe, microbatch_overlap,
-                                   watchdog)
+from parm_trainer.training import (checkpoint, faults, manual_gc, memory, memory_probe,
+                                   microbatch_overlap, param_gather, watchdog)
 from parm_trainer.training.checkpoint import async_save
 from parm_trainer.training import timers as run_timers
 from parm_trainer.training.data import cycle, micro_batch_iterator
@@ -229,7 +229,8 @@ class Trainer:
             chunk.eval()
         losses = []
         self.config.timers = None  # the timing report covers training iterations only
-        with torch.no_grad():
+        with torch.no_grad(), param_gather.gathered(self.model), \
+                manual_gc.around_evaluation(self.args):
             for _ in range(self.args.eval_iters):
                 losses.extend(self._run_schedule(iterator, forward_only=True))
         self.config.timers = self.timers
@@ -242,9 +243,10 @@ class Trainer:
 
     def save(self):
         if self.args.save:
-            path, seconds = checkpoint.save_checkpoint(
-                self.args.save, self.iteration, self.model, self.optimizer, self.scheduler,
-                self.consumed, self.args, background=self.background_saves)
+            with param_gather.gathered(self.model):  # the weights the last step made
+                path, seconds = checkpoint.save_checkpoint(
+                    self.args.save, self.iteration, self.model, self.optimizer,
+                    self.scheduler, self.consumed, self.args, background=self.background_saves)
             if self.background_saves is None:
                 print_rank_0(f"saved checkpoint {path} in {seconds:.2f} s")
             else:
@@ -272,11 +274,13 @@ class Trainer:
         scalars = {k: v for k, v in metrics.items() if k not in ("tokens per expert", PER_LAYER)}
         extra = "".join(f" | {k} {v:.4f}" for k, v in scalars.items()
                         if k not in ("lm loss", "lr", "grad norm"))
+        throughput = (f" | throughput per GPU (TFLOP/s/GPU): {tflops:.1f}"  # Megatron-LM's words
+                      if a.log_throughput else "")
         print_rank_last(
             f"iteration {self.iteration:6d}/{a.train_iters} | lm loss {metrics['lm loss']:.6f} | "
             f"lr {metrics['lr']:.3e} | grad norm {metrics['grad norm']:.3f}{extra} | "
             f"ms/iter {seconds_per_iter * 1e3:.1f} | tokens/s {tokens_per_s:.0f} | "
-            f"TFLOP/s/device {tflops:.4f} | ETA {eta / 60:.1f} min | "
+            f"TFLOP/s/device {tflops:.4f}{throughput} | ETA {eta / 60:.1f} min | "
             f"peak {memory.KIND} {peak_mib:.1f} MiB (of it {grown:.1f} since the model was "
             f"built: {self._estimate})")
         if report:
@@ -297,6 +301,8 @@ class Trainer:
             scalars.update({f"tokens_per_expert/layer{layer + 1}/expert{expert}": count
                             for layer, row in enumerate(table.tolist()) if any(row)
                             for expert, count in enumerate(row)})
+        if a.log_throughput:
+            self.logger.scalars(self.iteration, {"throughput": tflops})  # Megatron-LM's tag
         self.logger.scalars(self.iteration, {**scalars, "tokens_per_s": tokens_per_s,
                                              "tflops_per_device": tflops,
                                              "peak_memory_mib": peak_mib}, prefix="train/")
@@ -337,6 +343,7 @@ class Trainer:
         valid_iterator = self._per_chunk(
             lambda: cycle(lambda: micro_batch_iterator(valid_ds, 0, a.micro_batch_size)))
         first = self._validate(valid_iterator, "validation (start)") if a.eval_iters else None
+        manual_gc.start(a)
         window_start, window_iters = time.perf_counter(), 0
         stop = None  # why the run ends early (ExitRequest), if it does
         while self.iteration < a.train_iters:
@@ -346,6 +353,7 @@ class Trainer:
                                       report_moe=logs_now or bool(self.logger.json_path))
             self.iteration += 1
             self.consumed += a.global_batch_size
+            manual_gc.after_iteration(a, self.iteration)
             window_iters += 1
             self.logger.record(self.iteration, {k: v for k, v in metrics.items()
                                                 if k != PER_LAYER})
@@ -376,6 +384,8 @@ class Trainer:
         if a.save and not (a.save_interval and self.iteration % a.save_interval == 0):
             self.save()
         self._finish_saves()
+        param_gather.finish(self.model)
+        manual_gc.end(a)
         if self.exit_request:
             self.exit_request.release()
         if first and last:

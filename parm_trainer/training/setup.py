@@ -99,6 +99,7 @@ def build_model(args, config: TransformerConfig, model_provider: ModelProvider) 
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=args.overlap_grad_reduce,
+            overlap_param_gather=args.overlap_param_gather,  # needs the distributed optimizer
             bucket_size=_bucket_size(args, module),
             use_distributed_optimizer=args.use_distributed_optimizer,
             check_for_nan_in_grad=False,  # the loop checks the loss on every rank instead

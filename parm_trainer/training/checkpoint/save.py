@@ -42,15 +42,18 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     torch.distributed.barrier()
-    whole = optimizer is not None
+    # the optimizer (and LR schedule) and the RNG streams, unless --no-save-optim/--no-save-rng
+    with_optimizer = optimizer is not None and not getattr(args, "no_save_optim", False)
+    with_rng = optimizer is not None and not getattr(args, "no_save_rng", False)
     extra = {"iteration": iteration, "consumed_train_samples": consumed_train_samples,
-             "adam_step": adam_step(optimizer) if whole else 0, "layout": layout(),
-             "distributed_optimizer": is_distributed(optimizer), "with_optimizer": whole,
-             "with_rng": whole}
+             "adam_step": adam_step(optimizer) if with_optimizer else 0, "layout": layout(),
+             "distributed_optimizer": is_distributed(optimizer),
+             "with_optimizer": with_optimizer, "with_rng": with_rng}
     metadata = optimizer_metadata(args.dist_ckpt_optim_fully_reshardable,
                                    args.distrib_optim_fully_reshardable_mem_efficient)
-    state = sharded_state(model, optimizer, scheduler, extra, metadata if whole else None,
-                           is_loading=False, with_rng=whole)
+    state = sharded_state(model, optimizer, scheduler, extra,
+                           metadata if with_optimizer else None, is_loading=False,
+                           with_rng=with_rng)
     async_save.results_queue_without_spawn()
     failure, request = None, None
     try:

@@ -99,6 +99,29 @@ def pretrain_argv(data, *flags):
 
 # (id, world size, flags, exit status, key words of the one error line)
 PRETRAIN_CASES = [
+    # Megatron-LM flags this stack has no such thing for (arguments/megatron_only.py)
+    ("megatron_fp8", 1, ["--fp8", "hybrid"], 1,
+     ["--fp8 hybrid is not supported here: FP8 needs Transformer Engine"]),
+    ("megatron_context_parallel", 1, ["--context-parallel-size", "2"], 1,
+     ["--context-parallel-size 2 is not supported here: no context parallelism"]),
+    ("megatron_flex_dispatcher", 1, ["--moe-token-dispatcher-type", "flex"], 1,
+     ["--moe-token-dispatcher-type flex is not supported here: use --moe-parm-schedule auto"]),
+    ("megatron_recompute", 1, ["--recompute-granularity", "full"], 1,
+     ["--recompute-granularity full is not supported here: no activation recomputation yet"]),
+    ("megatron_ckpt_format", 1, ["--ckpt-format", "torch"], 1,
+     ["--ckpt-format torch is not supported here: checkpoints are megatron-core's torch_dist"]),
+    ("overlap_param_gather_alone", 2, ["--overlap-param-gather", "--overlap-grad-reduce"], 1,
+     ["--overlap-param-gather needs --use-distributed-optimizer"]),
+    ("overlap_param_gather_no_grad_reduce", 2, ["--overlap-param-gather",
+                                                "--use-distributed-optimizer"], 1,
+     ["--overlap-param-gather needs --overlap-grad-reduce"]),
+    ("no_position_embedding_learned", 1, ["--no-position-embedding"], 1,
+     ["--no-position-embedding is deprecated in Megatron-LM and valid only with "
+      "--position-embedding-type rope"]),
+    ("mock_data_and_data_path", 1, ["--mock-data"], 1,
+     ["--mock-data trains on synthetic data: leave out --data-path"]),
+    ("checkpoint_args_unreadable", 1, ["--use-checkpoint-args", "--load", "{junk}/bad_tracker"],
+     1, ["latest_checkpointed_iteration.txt should hold an iteration number"]),
     ("global_batch_vs_micro_x_dp", 2, ["--micro-batch-size", "4", "--global-batch-size", "6"], 1,
      ["--global-batch-size 6 is not divisible by --micro-batch-size 4 x data-parallel size 2"]),
     ("heads_vs_tp", 2, ["--tensor-model-parallel-size", "2", "--num-attention-heads", "3",
@@ -282,6 +305,14 @@ def test_pretrain_gpt_refuses_a_bad_blend(blend, needle, entry, gpt_data, capsys
     words = [word.format(p=gpt_data["prefix"]) for word in blend]
     assert_refused(main, pretrain_argv(gpt_data, "--data-path", *words), capsys, 1,
                    "--data-path", needle)
+
+
+def test_pretrain_bert_refuses_mock_data(entry, gpt_data, capsys):
+    main = entry("pretrain_bert_moe.py")
+    argv = pretrain_argv(gpt_data, "--mock-data")
+    del argv[:2]  # no --data-path
+    assert_refused(main, argv, capsys, 1, "--mock-data is for GPT (megatron-core has no mock "
+                   "BERT dataset)")
 
 
 def test_pretrain_bert_refuses_a_mask_probability_over_one(entry, gpt_data, capsys):

@@ -125,16 +125,17 @@ def ranks_may_end_with_os_exit() -> None:
     the agent runs a function whose return value it hands to the agent on a queue, and the agent
     waits for every rank's value before it ends the launch: a rank that left by os._exit(0)
     would keep it waiting forever. Here such a rank hands in its value (None) first, waits until
-    the agent has read every rank's, and then exits as it asked."""
+    the agent has read every rank's, and then exits as it asked. A process the rank forks
+    (megatron's checkpoint writers end with os._exit too) exits at once: it is not the rank."""
     from torch.distributed.elastic.multiprocessing import api
 
     wrap = api._wrap
 
     def wrapped(local_rank, fn, args, envs, stdout, stderr, ret_vals, read_event, *rest):
-        exit_ = os._exit
+        exit_, rank_pid = os._exit, os.getpid()
 
         def exit_with_value(status):
-            if status == 0:
+            if status == 0 and os.getpid() == rank_pid:
                 ret_vals[local_rank].put(None)
                 read_event.wait()
             exit_(status)

@@ -117,6 +117,9 @@ class Trainer:
         self.model = build_model(args, self.config, model_provider)
         self.optimizer, self.scheduler = build_optimizer(args, self.model, self.timers)
         wire_config(self.config, self.model, self.optimizer)
+        if param_gather.overlapped(self.model):  # read from megatron-core's DDP itself
+            print_rank_0("--overlap-param-gather: the updated parameters are gathered bucket by "
+                         "bucket in the next forward pass (megatron-core DDP's pre-hooks)")
         self.iteration, self.consumed, self.probed = 0, 0, False
         self.background_saves = (async_save.BackgroundSaves(self._saved, print_rank_0)
                                  if args.async_save and args.save else None)

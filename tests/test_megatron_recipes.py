@@ -1,0 +1,175 @@
+"""A Megatron-LM user's scripts run as written: the flags of Megatron-LM's own recipes.
+
+The recipes' argument arrays are data (megatron_recipes.py, as published at core_v0.16.1);
+the launches change only sizes, paths and the parallel sizes the rank count sets.
+"""
+
+import json
+import re
+
+import pytest
+
+import megatron_recipes as recipes
+from conftest import launch, tiny_gpt_args
+from parm_trainer.arguments import ArgumentsError, build_parser, parse_args
+from parm_trainer.arguments.megatron_only import ROWS
+from parm_trainer.training import checkpoint_args
+
+
+@pytest.mark.parametrize("recipe", [recipes.MIXTRAL_8X7B, recipes.GPT3_175B,
+                                    recipes.MOE_README_MIXTRAL], ids=lambda r: r.source[-40:])
+def test_every_recipe_flag_is_known(recipe):
+    _, unknown = build_parser().parse_known_args(recipes.words(recipe))
+    assert unknown == [], f"{recipe.source}: {unknown}"
+
+
+def test_the_moe_readme_tips_are_known_and_the_unsupported_refused():
+    _, unknown = build_parser().parse_known_args(recipes.MOE_README_TIPS)
+    assert unknown == []
+    with pytest.raises(ArgumentsError, match="is not supported here: "):
+        parse_args(recipes.MOE_README_TIPS)
+
+
+def _value(row, fine: bool) -> list:
+    if row.takes == 0:
+        return []
+    return [row.fine[0]] if fine else ["2"]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda row: row.flag)
+def test_every_megatron_only_flag_is_refused_or_noted(row):
+    """A flag with no effect is accepted and logged once; a refused one is one line naming it;
+    a value that is this stack's own behaviour is accepted silently."""
+    argv = [row.flag, *_value(row, fine=False)]
+    if row.effect == "none":
+        notes = parse_args(argv).start_notes
+        assert notes == [f"{row.flag} has no effect here: {row.why}"]
+    else:
+        with pytest.raises(ArgumentsError) as refused:
+            parse_args(argv)
+        assert str(refused.value).startswith(f"{' '.join(argv)} is not supported here: ")
+    if row.fine:
+        assert parse_args([row.flag, *_value(row, fine=True)]).start_notes == []
+    assert parse_args([]).start_notes == []  # nothing logged for a flag not given
+
+
+def test_help_shows_each_default():
+    shown = build_parser().format_help()
+    for flag, default in (("--seq-length", "128"), ("--attention-backend", "auto"),
+                          ("--manual-gc-interval", "0"), ("--lr", "0.0003")):
+        block = shown[shown.index(f"  {flag} "):]
+        assert f"(default: {default})" in block[:block.index("\n  --")].replace("\n", " "), flag
+    for action in build_parser()._actions:  # each flag names its default, or says what it is
+        if action.option_strings and action.help and action.default is not None \
+                and action.dest != "help" and not isinstance(action.default, bool):
+            assert "default" in action.help.lower() or action.default == "==SUPPRESS==" or \
+                "(default: " in build_parser()._get_formatter()._get_help_string(action), \
+                action.option_strings[0]
+
+
+def test_sequence_parallel_is_off_without_tensor_parallelism():
+    args = parse_args(["--sequence-parallel"])
+    assert not args.sequence_parallel
+    assert "--sequence-parallel is off" in args.start_notes[0]
+    assert parse_args(["--sequence-parallel", "--tensor-model-parallel-size", "2"]
+                      ).sequence_parallel
+
+
+def test_use_checkpoint_args_takes_the_model_from_run_json(tmp_path):
+    """Megatron-LM's rule: the sizes given on the command line win, the rest of the model's
+    flags are the checkpoint's; the tokenizer comes from the checkpoint's copy."""
+    saved = parse_args(["--num-layers", "3", "--hidden-size", "96", "--num-attention-heads",
+                        "6", "--swiglu", "--normalization", "RMSNorm", "--num-experts", "8",
+                        "--moe-router-topk", "4", "--disable-bias-linear"])
+    iteration = tmp_path / "iter_0000007"
+    iteration.mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("7")
+    (iteration / "run.json").write_text(json.dumps(
+        {"args": {k: v for k, v in vars(saved).items() if k != "params_dtype"}}))
+    (iteration / "tokenizer.model").write_bytes(b"")
+    args = parse_args(["--load", str(tmp_path), "--use-checkpoint-args", "--num-layers", "5",
+                       "--moe-router-topk", "1", "--moe-router-pre-softmax"],
+                      override=checkpoint_args.apply)
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (5, 96, 6)
+    assert args.swiglu and args.normalization == "RMSNorm" and args.num_experts == 8
+    assert args.moe_router_topk == 4  # always the checkpoint's (Megatron-LM's force=True)
+    assert args.tokenizer_model == str(iteration / "tokenizer.model")
+    assert re.search(r"from .*: hidden_size 96, ffn_hidden_size 384, .*swiglu True",
+                     args.start_notes[0]), args.start_notes
+    without = parse_args(["--load", str(tmp_path), "--num-layers", "5"],
+                         override=checkpoint_args.apply)
+    assert without.hidden_size == 128 and without.start_notes == []
+
+
+# ranks -> the layout that takes the recipe's place (TP, PP, EP as its GPU count set them)
+MIXTRAL_LAYOUTS = {2: {"--pipeline-model-parallel-size": "1", "--expert-model-parallel-size": "2"},
+                   4: {"--pipeline-model-parallel-size": "2", "--expert-model-parallel-size": "2"}}
+MIXTRAL_SIZES = {
+    "--seq-length": "64", "--max-position-embeddings": "256", "--num-layers": "4",
+    "--hidden-size": "64", "--ffn-hidden-size": "128", "--num-attention-heads": "4",
+    "--num-query-groups": "2", "--global-batch-size": "8", "--train-iters": "4",
+    "--lr-decay-iters": "4", "--lr-warmup-iters": "1", "--save-interval": "4",
+    "--eval-interval": "2", "--eval-iters": "1", "--split": "90,5,5"}
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_mixtral_recipe_trains(nproc, gpt_data, tmp_path):
+    """examples/mixtral's arrays as published (bf16, grouped GEMM, the distributed optimizer
+    with its overlapped gather, Llama2Tokenizer, --no-load-optim, ...) on 2 and 4 CPU ranks."""
+    argv = recipes.argv(recipes.MIXTRAL_8X7B, {**MIXTRAL_SIZES, **MIXTRAL_LAYOUTS[nproc]},
+                        {"TOKENIZER_MODEL": gpt_data["tokenizer"],
+                         "DATA_PATH": gpt_data["prefix"], "CHECKPOINT_PATH": tmp_path / "ckpt"})
+    run = launch(nproc, argv, tmp_path)
+    assert run.returncode == 0, run.output[-4000:]
+    assert [row["iteration"] for row in run.losses] == [1, 2, 3, 4]
+    assert all(0 < loss < 20 for loss in run.loss()), run.loss()
+    for line in ("--use-mcore-models has no effect here", "--no-masked-softmax-fusion has no "
+                 "effect here", "--sequence-parallel is off", "no checkpoint in --load",
+                 "saved checkpoint"):
+        assert line in run.output, line
+    assert (tmp_path / "ckpt" / "iter_0000004").is_dir()
+    assert list((tmp_path / "ckpt" / "tensorboard").iterdir())
+
+
+def saved_weights(iteration_dir) -> dict:
+    """The model's tensors of a checkpoint directory, read in this process (no process group:
+    torch's checkpoint reader, which megatron-core's torch_dist format is written with)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(iteration_dir))
+    tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+               for key, meta in reader.read_metadata().state_dict_metadata.items()
+               if isinstance(meta, TensorStorageMetadata) and "_extra_state" not in key
+               and key.startswith(("embedding", "decoder", "output_layer"))}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
+        dcp.load(tensors, storage_reader=reader, no_dist=True)
+    return tensors
+
+
+def test_overlap_param_gather_trains_and_saves_as_without(gpt_data, tmp_path):
+    """--overlap-param-gather moves the distributed optimizer's gather into the next forward:
+    the losses, the last validation and the saved weights are those of the run without it
+    (a save or evaluation that read the parameters before gathering them would differ)."""
+    flags = {"use-distributed-optimizer": True, "overlap-grad-reduce": True, "train-iters": 4,
+             "eval-interval": 4, "save-interval": 3}  # the save at 3 follows no evaluation
+    runs = {}
+    for name, extra in (("plain", {}), ("overlapped", {"overlap-param-gather": True})):
+        out = tmp_path / name
+        out.mkdir()
+        runs[name] = launch(2, tiny_gpt_args(gpt_data, **flags, **extra, save=out), out)
+        assert runs[name].returncode == 0, runs[name].output[-4000:]
+    assert "gathered bucket by bucket" in runs["overlapped"].output
+    assert "gathered bucket by bucket" not in runs["plain"].output
+    assert runs["overlapped"].loss() == runs["plain"].loss()
+    end = [re.search(r"validation at iteration 4 .*", run.output).group() for run in runs.values()]
+    assert end[0] == end[1]
+    for iteration in ("iter_0000003", "iter_0000004"):
+        plain, overlapped = (saved_weights(tmp_path / name / iteration) for name in runs)
+        assert plain.keys() == overlapped.keys() and plain
+        for key in plain:
+            assert (plain[key] == overlapped[key]).all(), (iteration, key)

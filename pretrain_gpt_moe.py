@@ -8,6 +8,10 @@
         --train-iters 300 --lr 1e-3 --data-path data/demo/corpus_text_document \
         --tokenizer-type SentencePieceTokenizer --tokenizer-model data/demo/tokenizer.model
 
+The tokenizer flags are Megatron-LM's: `--vocab-file gpt2-vocab.json --merge-file
+gpt2-merges.txt` (GPT-2 BPE, as its GPT-3 recipe gives them), `--tokenizer-type Llama2Tokenizer
+--tokenizer-model ...`, `--tokenizer-type NullTokenizer --vocab-size N`.
+
 This file holds only the GPT-specific providers (model, datasets, forward step and loss);
 parm_trainer.training runs the loop. `scripts/` has launchers for one node, many nodes and slurm.
 """

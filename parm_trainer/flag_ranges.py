@@ -49,7 +49,8 @@ RANGES = {
     "exit_interval": AT_LEAST_0, "exit_duration_in_mins": POSITIVE,
     "manual_gc_interval": AT_LEAST_0,
     # data, evaluation, logging
-    "num_workers": AT_LEAST_0, "eval_interval": AT_LEAST_1, "eval_iters": AT_LEAST_0,
+    "num_workers": AT_LEAST_0, "vocab_size": AT_LEAST_1, "eval_interval": AT_LEAST_1,
+    "eval_iters": AT_LEAST_0,
     "save_interval": AT_LEAST_0, "log_interval": AT_LEAST_1,
     "mask_prob": (0, 1, False, False), "short_seq_prob": PROBABILITY,
 }

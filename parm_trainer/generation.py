@@ -25,12 +25,12 @@ from parm_trainer.training.checkpoint import files
 
 
 def _own_flags(argv):
-    """This tool's flags; the rest (the layout, --tokenizer-model) are pretrain's."""
+    """This tool's flags; the rest (the layout, the tokenizer's) are pretrain's."""
     parser = argparse.ArgumentParser(
         prog="generate.py", add_help=False, allow_abbrev=False,
-        description="Continue a prompt with a GPT-MoE checkpoint (the model's flags come from "
-                    "the checkpoint). The layout flags (--tensor-model-parallel-size, ...) and "
-                    "--tokenizer-model are pretrain_gpt_moe.py's: see its --help.")
+        description="Continue a prompt with a GPT-MoE checkpoint (its model flags and tokenizer "
+                    "come from the checkpoint). The layout flags and the tokenizer's (given, "
+                    "they win) are pretrain_gpt_moe.py's: see its --help.")
     parser.add_argument("-h", "--help", action="help", help="show this help and exit")
     parser.add_argument("--load-dir", required=True, help="a --save directory")
     parser.add_argument("--prompt", required=True)
@@ -59,18 +59,45 @@ def generation_args(argv=None):
             f"tools/generate.py continues text with GPT-MoE checkpoints")
     saved = description["args"]
     args = parse_args(rest)
-    for name in model_argument_names() | {"padded_vocab_size", "hf_vocab_size"}:
+    for name in model_argument_names() - set(TOKENIZER_ARGS) | {"padded_vocab_size",
+                                                                "hf_vocab_size"}:
         if name in saved:
             setattr(args, name, saved[name])
-    if "--tokenizer-model" not in rest:
-        args.tokenizer_model = os.path.join(path, files.TOKENIZER)
-        if not os.path.isfile(args.tokenizer_model):
-            raise files.CheckpointError(f"--load-dir {own.load_dir}: no {files.TOKENIZER} in "
-                                        f"{path}; give --tokenizer-model")
+    _checkpoint_tokenizer(args, saved, path, own.load_dir, rest)
     args.sequence_parallel = False  # a prompt of any length
     if "--moe-parm-schedule" not in rest:
         args.moe_parm_schedule, args.moe_parm_chunks = "s1", 1
     return own, args
+
+
+TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
+
+
+def _given(dest: str, argv: list) -> bool:
+    flag = "--" + dest.replace("_", "-")
+    return any(word == flag or word.startswith(flag + "=") for word in argv)
+
+
+def _checkpoint_tokenizer(args, saved: dict, path: str, load_dir: str, argv: list) -> None:
+    """The checkpoint's tokenizer: its type and --vocab-size from run.json, its files from the
+    copies beside it (training/checkpoint/files.py). A tokenizer flag on the command line wins,
+    as does the type that --vocab-file with --merge-file imply there."""
+    from parm_trainer.data.tokenizer import TOKENIZER_FILE_FLAGS, check_tokenizer_flags
+
+    implied = _given("vocab_file", argv) and _given("merge_file", argv)
+    for dest in ("tokenizer_type", "vocab_size"):
+        if not (_given(dest, argv) or implied and dest == "tokenizer_type") and \
+                saved.get(dest) is not None:
+            setattr(args, dest, saved[dest])
+    for dest in TOKENIZER_FILE_FLAGS.get(args.tokenizer_type, ()):
+        if _given(dest, argv):
+            continue
+        copy = files.TOKENIZER_FILES[dest]
+        setattr(args, dest, os.path.join(path, copy))
+        if not os.path.isfile(getattr(args, dest)):
+            raise files.CheckpointError(f"--load-dir {load_dir}: no {copy} in {path}; give "
+                                        f"--{dest.replace('_', '-')}")
+    check_tokenizer_flags(args)
 
 
 def _next_token(logits: torch.Tensor, own, generator) -> int:
@@ -135,7 +162,7 @@ def main(argv=None) -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from parm_trainer.compat import cpu
-    from parm_trainer.data.tokenizer import build_tokenizer
+    from parm_trainer.data.tokenizer import tokenizer_from_args
     from parm_trainer.models.config import transformer_config
     from parm_trainer.models.gpt import build_gpt_moe
     from parm_trainer.errors import LayoutError
@@ -150,7 +177,7 @@ def main(argv=None) -> None:
         if args.virtual_pipeline_model_parallel_size or args.pipeline_stages is None:
             raise LayoutError("tools/generate.py runs one model chunk per pipeline rank: give "
                               "no virtual stages and no --pipeline-model-parallel-layout auto")
-        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        tokenizer = tokenizer_from_args(args)
         cpu.apply()
         initialize_distributed(args)
         torch.manual_seed(args.seed)

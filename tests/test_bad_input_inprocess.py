@@ -82,11 +82,17 @@ def junk(tmp_path_factory):
     tracker = root / "bad_tracker"
     tracker.mkdir()
     (tracker / "latest_checkpointed_iteration.txt").write_text("not-a-number")
-    for name, model in (("bert_ckpt", "bert"), ("no_tokenizer_ckpt", "gpt")):
+    for name, model, args in (("bert_ckpt", "bert", {}), ("no_tokenizer_ckpt", "gpt", {}),
+                              ("no_vocab_ckpt", "gpt", {"tokenizer_type": "GPT2BPETokenizer"})):
         (root / name / "iter_0000002").mkdir(parents=True)
         (root / name / "latest_checkpointed_iteration.txt").write_text("2")
         (root / name / "iter_0000002" / "run.json").write_text(
-            json.dumps({"model": model, "args": {}}))
+            json.dumps({"model": model, "args": args}))
+    # GPT-2 BPE files: a vocabulary without <|endoftext|>, one whose tokens do not hold the
+    # join of the merge "a b"
+    (root / "vocab_no_eod.json").write_text(json.dumps({"a": 0, "b": 1, "ab": 2}))
+    (root / "vocab.json").write_text(json.dumps({"a": 0, "b": 1, "<|endoftext|>": 2}))
+    (root / "merges.txt").write_text("#version: 0.2\na b\n")
     return root
 
 
@@ -197,8 +203,36 @@ PRETRAIN_CASES = [
     ("garbage_tokenizer_model", 1, ["--tokenizer-model", "{junk}/garbage.model"], 1,
      ["--tokenizer-model {junk}/garbage.model is not a SentencePiece model",
       "tools/train_tokenizer.py"]),
-    ("unsupported_tokenizer_type", 1, ["--tokenizer-type", "GPT2BPETokenizer"], 1,
-     ["unsupported --tokenizer-type 'GPT2BPETokenizer'"]),
+    ("unsupported_tokenizer_type", 1, ["--tokenizer-type", "TikTokenizer"], 1,
+     ["unsupported --tokenizer-type 'TikTokenizer'; choose from SentencePieceTokenizer, "
+      "Llama2Tokenizer, GPT2BPETokenizer, NullTokenizer"]),
+    # the tokenizer types' flags and files (parm_trainer/data/tokenizer.py)
+    ("no_tokenizer_model", 1, ["--tokenizer-model", ""], 1,
+     ["--tokenizer-model is required with --tokenizer-type SentencePieceTokenizer",
+      "for GPT-2 BPE give --vocab-file and --merge-file"]),
+    ("tokenizer_model_a_directory", 1, ["--tokenizer-model", "{junk}"], 1,
+     ["--tokenizer-model {junk} is not a file"]),
+    ("gpt2_without_merge_file", 1, ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+                                    "{junk}/vocab.json"], 1,
+     ["--merge-file is required with --tokenizer-type GPT2BPETokenizer"]),
+    ("gpt2_vocab_file_missing", 1, ["--vocab-file", "{junk}/nothing.json", "--merge-file",
+                                    "{junk}/merges.txt"], 1,
+     ["--vocab-file {junk}/nothing.json: no such file"]),
+    ("gpt2_vocab_not_json", 1, ["--vocab-file", "{junk}/not_json.json", "--merge-file",
+                                "{junk}/merges.txt"], 1,
+     ["--vocab-file {junk}/not_json.json is not a GPT-2 BPE vocabulary (JSON of token: id)"]),
+    ("gpt2_vocab_without_eod", 1, ["--vocab-file", "{junk}/vocab_no_eod.json", "--merge-file",
+                                   "{junk}/merges.txt"], 1,
+     ["--vocab-file {junk}/vocab_no_eod.json has no <|endoftext|> token"]),
+    ("gpt2_merge_outside_vocab", 1, ["--vocab-file", "{junk}/vocab.json", "--merge-file",
+                                     "{junk}/merges.txt"], 1,
+     ["--merge-file {junk}/merges.txt line 2 joins 'a' and 'b', which --vocab-file "
+      "{junk}/vocab.json does not hold with their join"]),
+    ("null_without_vocab_size", 1, ["--tokenizer-type", "NullTokenizer"], 1,
+     ["--vocab-size is required with --tokenizer-type NullTokenizer"]),
+    ("llama2_on_garbage", 1, ["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model",
+                              "{junk}/garbage.model"], 1,
+     ["--tokenizer-model {junk}/garbage.model is not a SentencePiece model"]),
     ("load_is_a_file", 1, ["--load", "{junk}/garbage.model"], 1,
      ["--load {junk}/garbage.model is not a directory"]),
     ("save_is_a_file", 1, ["--save", "{junk}/garbage.model"], 1,
@@ -321,8 +355,15 @@ def test_pretrain_bert_refuses_a_mask_probability_over_one(entry, gpt_data, caps
                    "--mask-prob must be in (0, 1), got 1.5")
 
 
-@pytest.mark.parametrize("case", ["missing_dir", "bert_checkpoint", "no_tokenizer", "no_prompt",
-                                  "negative_top_k", "layout_over_world"])
+def test_pretrain_bert_refuses_a_tokenizer_without_bert_symbols(entry, gpt_data, capsys):
+    main = entry("pretrain_bert_moe.py")
+    assert_refused(main, pretrain_argv(gpt_data, "--tokenizer-type", "Llama2Tokenizer"), capsys,
+                   1, "--tokenizer-type Llama2Tokenizer has no [CLS], [SEP] and [MASK] tokens",
+                   "needs --tokenizer-type SentencePieceTokenizer")
+
+
+@pytest.mark.parametrize("case", ["missing_dir", "bert_checkpoint", "no_tokenizer", "no_vocab",
+                                  "no_prompt", "negative_top_k", "layout_over_world"])
 def test_generate_refuses(case, entry, junk, capsys):
     main = entry("tools/generate.py")
     argv, status, needles = {
@@ -332,6 +373,8 @@ def test_generate_refuses(case, entry, junk, capsys):
                             ["holds an MoE BERT model", "GPT-MoE checkpoints"]),
         "no_tokenizer": (["--load-dir", junk / "no_tokenizer_ckpt", "--prompt", "x"], 1,
                          ["no tokenizer.model in", "give --tokenizer-model"]),
+        "no_vocab": (["--load-dir", junk / "no_vocab_ckpt", "--prompt", "x"], 1,
+                     ["no vocab.json in", "give --vocab-file"]),
         "no_prompt": (["--load-dir", junk / "bert_ckpt"], 2,
                       ["the following arguments are required: --prompt"]),
         "negative_top_k": (["--load-dir", junk / "bert_ckpt", "--prompt", "x", "--top-k", "-1"],
@@ -384,6 +427,10 @@ def test_convert_refuses(entry, junk, capsys):
         (["--loader", "hf", "--saver", "parm", "--load-dir", mixtral, "--save-dir", out,
           "--tokenizer-model", junk / "garbage.model"], 1,
          [f"--tokenizer-model {junk}/garbage.model is not a SentencePiece model"]),
+        (["--loader", "parm", "--saver", "hf", "--load-dir", junk / "no_vocab_ckpt",
+          "--save-dir", out], 1,
+         ["was trained with --tokenizer-type GPT2BPETokenizer; the Hugging Face export carries "
+          "SentencePiece tokenizers only"]),
     ]:
         assert_refused(main, argv, capsys, status, *needles)
         assert not out.exists()
@@ -399,7 +446,16 @@ def test_preprocess_data_refuses(entry, junk, gpt_data, capsys):
     model = gpt_data["tokenizer"]
     for argv, status, needles in [
         (_preprocess_argv(junk, "one.jsonl", tokenizer=junk / "nothing.model"), 1,
-         [f"--tokenizer-model {junk}/nothing.model not found"]),
+         [f"--tokenizer-model {junk}/nothing.model: no such file"]),
+        (_preprocess_argv(junk, "one.jsonl", "--vocab-file", junk / "nothing.json",
+                          "--merge-file", junk / "merges.txt"), 1,
+         [f"--vocab-file {junk}/nothing.json: no such file"]),
+        (_preprocess_argv(junk, "one.jsonl", "--tokenizer-type", "NullTokenizer"), 1,
+         ["--vocab-size is required with --tokenizer-type NullTokenizer"]),
+        (_preprocess_argv(junk, "one.jsonl", "--tokenizer-type", "NullTokenizer",
+                          "--vocab-size", "10"), 1,
+         ["--tokenizer-type NullTokenizer reads token ids separated by single spaces, got "
+          "'One short document.'"]),
         (_preprocess_argv(junk, "one.jsonl"), 1,
          [f"--tokenizer-model {junk}/garbage.model is not a SentencePiece model"]),
         (_preprocess_argv(junk, "blank.jsonl", tokenizer=model), 1,

@@ -6,7 +6,8 @@
 
 Greedy unless --temperature T (with --top-k K). Prints the prompt and its continuation, then
 `prompt ids: ...` and `ids: ...` (the generated ids), space separated. The model flags and the
-tokenizer come from the checkpoint (--tokenizer-model overrides the tokenizer).
+tokenizer (its --tokenizer-type and the copies of its files) come from the checkpoint; a
+tokenizer flag given here (--tokenizer-model, --vocab-file, ...) overrides it.
 """
 
 import sys

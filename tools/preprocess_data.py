@@ -4,6 +4,10 @@ Tokenize a jsonl corpus into megatron.core indexed datasets, one per JSON key:
 ``{PREFIX}_{key}_document.bin/.idx`` (``_sentence`` with --split-sentences).
 Pass ``{PREFIX}_{key}_document`` to the trainer's --data-path.
 
+The tokenizer flags are pretrain's (Megatron-LM's): --tokenizer-type SentencePieceTokenizer or
+Llama2Tokenizer with --tokenizer-model, GPT2BPETokenizer with --vocab-file and --merge-file
+(the default when both are given), NullTokenizer with --vocab-size.
+
 Every document becomes one sequence (with --append-eod, followed by the
 tokenizer's eod id). With --split-sentences every sentence is its own
 sequence and the document boundary is kept in the index (eod, if asked for,
@@ -38,7 +42,8 @@ with warnings.catch_warnings():
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
 from parm_trainer.data.jsonl import make_output_dir, parse_record  # noqa: E402 (after the filter)
-from parm_trainer.data.tokenizer import build_tokenizer  # noqa: E402
+from parm_trainer.arguments.flags import add_tokenizer_flags, default_tokenizer_type  # noqa
+from parm_trainer.data.tokenizer import tokenizer_from_args  # noqa: E402
 
 # The sentence splitter described in the docstring above.
 SENTENCE_END = re.compile(r"""(?<=[.!?])["')\]]*\s+(?=["'(\[]?[A-Z0-9])|\n\s*\n""")
@@ -62,7 +67,7 @@ class Encoder:
 
     def __init__(self, args):
         self.args = args
-        self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        self.tokenizer = tokenizer_from_args(args)
 
     def encode(self, numbered_line):
         """(line number, line) -> ({key: [ids of each sentence]} or None, size).
@@ -151,7 +156,7 @@ class Writers:
 
 
 def preprocess(args):
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    tokenizer = tokenizer_from_args(args)  # checks the flags before any file is written
     make_output_dir(args.output_prefix)
     writers = Writers(args, tokenizer.vocab_size)
     start = time.time()
@@ -196,9 +201,7 @@ def parse_args(argv=None):
                             "letter, digit, quote or bracket, or at a blank line; writes "
                             "PREFIX_{key}_sentence")
     group = parser.add_argument_group("tokenizer")
-    group.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
-                       help="only SentencePieceTokenizer is supported")
-    group.add_argument("--tokenizer-model", required=True, help="SentencePiece .model file")
+    add_tokenizer_flags(group)  # pretrain's, Megatron-LM's
     group.add_argument("--append-eod", action="store_true",
                        help="append the end-of-document token to every document")
     group = parser.add_argument_group("output data")
@@ -214,6 +217,9 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.workers < 1 or args.chunksize < 1 or args.log_interval < 1:
         parser.error("--workers, --chunksize and --log-interval must be >= 1")
+    if args.vocab_size is not None and args.vocab_size < 1:
+        parser.error(f"--vocab-size must be at least 1, got {args.vocab_size}")
+    args.tokenizer_type = args.tokenizer_type or default_tokenizer_type(args)
     return args
 
 

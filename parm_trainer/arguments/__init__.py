@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import torch
 
 from parm_trainer.arguments.checks import check
-from parm_trainer.arguments.flags import add_bert_args, build_parser
+from parm_trainer.arguments.flags import add_bert_args, build_parser, default_tokenizer_type
 from parm_trainer.arguments.megatron_only import notes
 from parm_trainer.arguments.round_trip import command_line, model_argument_names
 from parm_trainer.errors import ArgumentsError
@@ -51,6 +51,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, extra_args_provider=None,
         args.lr_decay_iters = args.train_iters
     if args.watchdog_timeout_minutes is None:
         args.watchdog_timeout_minutes = args.distributed_timeout_minutes
+    if args.tokenizer_type is None:
+        args.tokenizer_type = default_tokenizer_type(args)
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32

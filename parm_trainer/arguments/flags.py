@@ -272,10 +272,33 @@ def _data_group(parser):
                    help="Train on synthetic data instead of --data-path: megatron-core's "
                         "MockGPTDataset (sequences of the tokenizer's vocabulary, no files).")
     g.add_argument("--split", default="969,30,1", help="Train,valid,test proportions.")
-    g.add_argument("--tokenizer-type", default="SentencePieceTokenizer", help="Tokenizer kind.")
-    g.add_argument("--tokenizer-model", default=None, help="Tokenizer model file.")
+    add_tokenizer_flags(g)
     g.add_argument("--data-cache-path", default=None, help="Where dataset indices are cached.")
     g.add_argument("--num-workers", type=int, default=0, help="DataLoader workers.")
+
+
+def add_tokenizer_flags(group) -> None:
+    """Megatron-LM's tokenizer flags, names and defaults (pretrain's data group and
+    tools/preprocess_data.py take the same); parm_trainer/data/tokenizer.py reads them."""
+    group.add_argument("--tokenizer-type", default=None,
+                       help="SentencePieceTokenizer (--tokenizer-model), Llama2Tokenizer "
+                            "(--tokenizer-model), GPT2BPETokenizer (--vocab-file, --merge-file) "
+                            "or NullTokenizer (--vocab-size). Default: GPT2BPETokenizer when "
+                            "--vocab-file and --merge-file are given, else "
+                            "SentencePieceTokenizer.")
+    group.add_argument("--tokenizer-model", default=None, help="Sentencepiece tokenizer model.")
+    group.add_argument("--vocab-file", default=None, help="Path to the vocab file.")
+    group.add_argument("--merge-file", default=None, help="Path to the BPE merge file.")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="Size of vocab before EOD or padding.")
+
+
+def default_tokenizer_type(args) -> str:
+    """--tokenizer-type when none is given: Megatron-LM's GPT-3 recipe names only --vocab-file
+    and --merge-file, and this project's scripts only --tokenizer-model."""
+    if getattr(args, "vocab_file", None) and getattr(args, "merge_file", None):
+        return "GPT2BPETokenizer"
+    return "SentencePieceTokenizer"
 
 
 def _eval_ckpt_log_group(parser):
@@ -295,7 +318,8 @@ def _eval_ckpt_log_group(parser):
                    help="Take the model's flags from the --load checkpoint's run.json (Megatron-"
                         "LM's list: sizes, attention, norms, experts and routing); sizes given "
                         "on the command line win, the rest are the checkpoint's. Without "
-                        "--tokenizer-model, the checkpoint's copy of its tokenizer is used.")
+                        "--tokenizer-model (--vocab-file, --merge-file), the checkpoint's copy "
+                        "of its tokenizer is used.")
     g.add_argument("--finetune", action="store_true",
                    help="Load the weights only and start at iteration 0 (no optimizer, LR "
                         "schedule, RNG or data position from the checkpoint).")

@@ -86,6 +86,10 @@ def export_to_hf(load_dir: str, save_dir: str) -> str:
     _refuse_existing(save_dir)
     description = files.read_description(_latest(load_dir))
     args = description["args"]
+    kind = args.get("tokenizer_type") or "SentencePieceTokenizer"
+    if kind not in ("SentencePieceTokenizer", "Llama2Tokenizer"):  # no tokenizer.model
+        raise ConvertError(f"--load-dir {load_dir} was trained with --tokenizer-type {kind}; "
+                           f"the Hugging Face export carries SentencePiece tokenizers only")
     if description.get("model", "gpt") == "bert":
         return _export_bert(load_dir, save_dir, description)
     check_exportable(args)

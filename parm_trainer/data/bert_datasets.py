@@ -41,7 +41,13 @@ SPLIT_HINT = "run tools/preprocess_data.py with --split-sentences"
 
 
 def check_bert_tokenizer(tokenizer) -> None:
-    """BERT samples need [CLS], [SEP], [MASK] and a pad id."""
+    """BERT samples need [CLS], [SEP], [MASK] and a pad id: this project's SentencePiece
+    models have them; Megatron-LM's Llama2, GPT-2 BPE and null tokenizers have none."""
+    kind = type(tokenizer).__name__
+    if kind != "SentencePieceTokenizer":
+        raise DataError(f"--tokenizer-type {kind} has no [CLS], [SEP] and [MASK] tokens; "
+                        f"pretrain_bert_moe.py needs --tokenizer-type SentencePieceTokenizer "
+                        f"with a model from tools/train_tokenizer.py")
     missing = tokenizer.missing_bert_tokens()
     if missing:
         raise DataError(f"--tokenizer-model {tokenizer.model_file} lacks the special tokens "

@@ -6,15 +6,16 @@ leaves those given a value), and the rest, always the checkpoint's. Here the sam
 this stack's flag names, plus the few more that shape this stack's tensors (the vocabulary's
 padding, the norms' epsilon, the shared expert's gate, group-limited routing). The tokenizer
 comes with them (Megatron-LM's --use-tokenizer-model-from-checkpoint-args, on by default):
-its type always, its file where --tokenizer-model is not given (the checkpoint's own copy).
+its type and --vocab-size always, its files where their flags are not given (the checkpoint's
+own copies: tokenizer.model, or vocab.json and merges.txt).
 """
 
 from __future__ import annotations
 
 import os
 
-from parm_trainer.training.checkpoint.files import (TOKENIZER, CheckpointError, latest_dir,
-                                                    read_description, read_tracker)
+from parm_trainer.training.checkpoint.files import (TOKENIZER_FILES, CheckpointError,
+                                                    latest_dir, read_description, read_tracker)
 
 UNLESS_GIVEN = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length",
                 "num_attention_heads", "kv_channels", "max_position_embeddings",
@@ -28,7 +29,7 @@ ALWAYS = ("num_query_groups", "group_query_attention", "position_embedding_type"
           "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
           # this stack's, beside Megatron-LM's list
           "make_vocab_size_divisible_by", "norm_epsilon", "moe_shared_expert_gate",
-          "moe_router_num_groups", "moe_router_group_topk", "tokenizer_type")
+          "moe_router_num_groups", "moe_router_group_topk", "tokenizer_type", "vocab_size")
 
 
 def apply(args, given: set) -> list:
@@ -49,9 +50,10 @@ def apply(args, given: set) -> list:
             if getattr(args, name, None) != saved[name]:
                 changed.append(f"{name} {saved[name]}")
             setattr(args, name, saved[name])
-    copy = os.path.join(latest_dir(args.load), TOKENIZER)
-    if "tokenizer_model" not in given and os.path.isfile(copy):
-        args.tokenizer_model = copy
-        changed.append(f"tokenizer_model {copy}")
+    for dest, name in TOKENIZER_FILES.items():  # the copies the saved tokenizer type left
+        copy = os.path.join(latest_dir(args.load), name)
+        if dest not in given and os.path.isfile(copy):
+            setattr(args, dest, copy)
+            changed.append(f"{dest} {copy}")
     return [f"--use-checkpoint-args: from {args.load}: "
             + (", ".join(changed) if changed else "the flags given match it")]

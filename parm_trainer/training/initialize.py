@@ -17,7 +17,7 @@ import torch
 from parm_trainer import error_line
 from parm_trainer.arguments import parse_args
 from parm_trainer.compat import cpu
-from parm_trainer.data.tokenizer import build_tokenizer
+from parm_trainer.data.tokenizer import check_tokenizer_flags, tokenizer_from_args
 from parm_trainer.errors import USER_ERRORS, InputError, LayoutError
 from parm_trainer.models.config import padded_vocab_size
 from parm_trainer.parallel import initialize_distributed
@@ -37,10 +37,7 @@ def _check_inputs(args) -> None:
     if not args.data_path and not args.mock_data:
         raise InputError("--data-path is required (an indexed dataset prefix, "
                          "e.g. data/demo/corpus_text_document), or --mock-data")
-    if not args.tokenizer_model:
-        raise InputError("--tokenizer-model is required")
-    if not os.path.isfile(args.tokenizer_model):
-        raise InputError(f"--tokenizer-model {args.tokenizer_model}: no such file")
+    check_tokenizer_flags(args)  # the type's flags and files
     from parm_trainer.data.gpt_datasets import check_indexed_dataset, parse_data_path
 
     prefixes, _ = parse_data_path(args.data_path) if args.data_path else ([], None)
@@ -70,7 +67,7 @@ def initialize(argv=None, extra_args_provider=None, check_inputs=None):
     resolve_auto_schedule(args, log=_print_rank_0)
     validate_layout(args)
     _check_inputs(args)
-    args.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    args.tokenizer = tokenizer_from_args(args)
     args.padded_vocab_size = padded_vocab_size(args.tokenizer.vocab_size,
                                                args.tensor_model_parallel_size,
                                                args.make_vocab_size_divisible_by)

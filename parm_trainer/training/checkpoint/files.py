@@ -3,7 +3,8 @@
     SAVE/latest_checkpointed_iteration.txt   the iteration of the newest whole checkpoint
     SAVE/iter_0000200/                       megatron-core dist_checkpointing files, and
     SAVE/iter_0000200/run.json               the run's description: version, layout, every flag
-    SAVE/iter_0000200/tokenizer.model        a copy of the tokenizer
+    SAVE/iter_0000200/tokenizer.model        a copy of the tokenizer (SentencePiece, Llama2), or
+    SAVE/iter_0000200/vocab.json, merges.txt copies of it (GPT-2 BPE); run.json names the type
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from parm_trainer.errors import CheckpointError
 TRACKER = "latest_checkpointed_iteration.txt"
 DESCRIPTION = "run.json"
 TOKENIZER = "tokenizer.model"
+# each tokenizer file flag (its argparse dest) -> the name of its copy in a checkpoint
+TOKENIZER_FILES = {"tokenizer_model": TOKENIZER, "vocab_file": "vocab.json",
+                   "merge_file": "merges.txt"}
 
 
 

@@ -16,7 +16,8 @@ from megatron.core.tensor_parallel import random as mrandom
 
 import parm_trainer
 from parm_trainer import parallel
-from parm_trainer.training.checkpoint.files import DESCRIPTION, TOKENIZER
+from parm_trainer.data.tokenizer import TOKENIZER_FILE_FLAGS
+from parm_trainer.training.checkpoint.files import DESCRIPTION, TOKENIZER_FILES
 from parm_trainer.training.checkpoint.optimizer_state import step_for_empty_optimizers
 
 
@@ -102,9 +103,11 @@ def describe_run(args, iteration: int) -> dict:
 def write_description(args, iteration: int, directory: str) -> None:
     with open(os.path.join(directory, DESCRIPTION), "w") as f:
         json.dump(describe_run(args, iteration), f, indent=1)
-    tokenizer = getattr(args, "tokenizer_model", None)
-    if tokenizer and os.path.isfile(tokenizer):
-        shutil.copyfile(tokenizer, os.path.join(directory, TOKENIZER))
+    # the files the run's tokenizer type reads, so tools/generate.py needs no tokenizer flag
+    for dest in TOKENIZER_FILE_FLAGS.get(getattr(args, "tokenizer_type", None), ()):
+        source = getattr(args, dest, None)
+        if source and os.path.isfile(source):
+            shutil.copyfile(source, os.path.join(directory, TOKENIZER_FILES[dest]))
 
 
 def describe_error(error: BaseException) -> str:

@@ -2,9 +2,10 @@
 
 One row per flag (its argparse dest): the lowest and highest value it takes and whether each
 bound is itself allowed; None for no bound. A value outside, NaN, or an infinite float is
-refused with one line naming the flag and its range. Ranges are Megatron-LM's and torch's own
-where they have one (Adam's betas in [0, 1), eps >= 0; dropout a probability), otherwise what
-the value means (a size is at least 1; an interval of 0 means never where the flag says so).
+refused with one line naming the flag and its range (each value of a flag that takes
+several). Ranges are Megatron-LM's and torch's own where they have one (Adam's betas in
+[0, 1), eps >= 0; dropout a probability), otherwise what the value means (a size is at
+least 1; an interval of 0 means never where the flag says so).
 """
 
 from __future__ import annotations
@@ -43,7 +44,12 @@ RANGES = {
     # training
     "micro_batch_size": AT_LEAST_1, "global_batch_size": AT_LEAST_1, "train_iters": AT_LEAST_1,
     "lr": AT_LEAST_0, "min_lr": AT_LEAST_0, "lr_warmup_iters": AT_LEAST_0,
-    "lr_decay_iters": AT_LEAST_1, "weight_decay": AT_LEAST_0, "clip_grad": AT_LEAST_0,
+    "lr_decay_iters": AT_LEAST_1, "train_samples": AT_LEAST_1, "lr_decay_samples": AT_LEAST_1,
+    "lr_warmup_samples": AT_LEAST_0, "lr_warmup_init": AT_LEAST_0,
+    "lr_warmup_fraction": BELOW_1,  # a warmup as long as the decay: megatron-core asserts
+    # start, increment and samples: each at least 1 (megatron-core divides by the samples)
+    "rampup_batch_size": AT_LEAST_1,
+    "weight_decay": AT_LEAST_0, "clip_grad": AT_LEAST_0,
     "adam_beta1": BELOW_1, "adam_beta2": BELOW_1, "adam_eps": AT_LEAST_0,
     "seed": (0, 2**32 - 1, True, True),  # numpy's seed range (the data samplers')
     "exit_interval": AT_LEAST_0, "exit_duration_in_mins": POSITIVE,
@@ -82,6 +88,7 @@ def problem(args) -> str | None:
         value = getattr(args, dest, None)
         if value is None or isinstance(value, bool):
             continue
-        if not inside(value, bounds):
-            return f"--{dest.replace('_', '-')} must {describe(bounds)}, got {value}"
+        for item in value if isinstance(value, list) else [value]:  # nargs flags: each value
+            if not inside(item, bounds):
+                return f"--{dest.replace('_', '-')} must {describe(bounds)}, got {item}"
     return None

@@ -277,6 +277,43 @@ PRETRAIN_CASES = [
       "--moe-token-dispatcher-type alltoall only"]),
     ("unknown_score_function", 1, ["--moe-router-score-function", "relu"], 2,
      ["argument --moe-router-score-function: invalid choice: 'relu'"]),
+    # training schedules: iteration- or sample-based, warmups, the batch-size ramp-up
+    ("train_iters_and_samples", 1, ["--train-iters", "10", "--train-samples", "100"], 1,
+     ["--train-iters and --train-samples exclude each other"]),
+    ("decay_samples_with_iters", 1, ["--train-iters", "10", "--lr-decay-samples", "100"], 1,
+     ["--lr-decay-samples needs sample-based training (--train-samples); this run counts "
+      "iterations (--train-iters)"]),
+    ("rampup_with_iters", 1, ["--rampup-batch-size", "2", "2", "100"], 1,
+     ["--rampup-batch-size needs sample-based training (--train-samples)"]),
+    ("decay_iters_with_samples", 1, ["--train-samples", "100", "--lr-decay-iters", "10"], 1,
+     ["--lr-decay-iters needs iteration-based training (--train-iters); this run counts "
+      "samples (--train-samples)"]),
+    ("warmup_fraction_and_iters", 1, ["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"],
+     1, ["--lr-warmup-fraction and --lr-warmup-iters exclude each other"]),
+    ("warmup_samples_over_decay", 1, ["--train-samples", "100", "--lr-warmup-samples", "100"],
+     1, ["--lr-warmup-samples 100 must be smaller than --lr-decay-samples 100 (default "
+         "--train-samples)"]),
+    ("warmup_init_over_lr", 1, ["--lr", "1e-4", "--lr-warmup-init", "1e-3"], 1,
+     ["--lr-warmup-init 0.001 must not exceed --lr 0.0001"]),
+    ("train_samples_under_a_batch", 1, ["--train-samples", "7", "--global-batch-size", "8"], 1,
+     ["--train-samples 7 is less than one global batch (--global-batch-size 8)"]),
+    ("rampup_start_not_below_global", 1, ["--train-samples", "100", "--global-batch-size", "8",
+                                          "--rampup-batch-size", "8", "2", "50"], 1,
+     ["--rampup-batch-size starts at 8, which must be smaller than --global-batch-size 8"]),
+    ("rampup_increment_vs_span", 1, ["--train-samples", "100", "--global-batch-size", "8",
+                                     "--rampup-batch-size", "2", "4", "50"], 1,
+     ["--rampup-batch-size increment 4 does not divide --global-batch-size 8 - start 2 = 6"]),
+    ("rampup_start_vs_micro_x_dp", 2, ["--train-samples", "100", "--global-batch-size", "16",
+                                       "--rampup-batch-size", "2", "2", "50"], 1,
+     ["--rampup-batch-size start 2 is not divisible by --micro-batch-size 2 x data-parallel "
+      "size 2"]),
+    ("rampup_interleaved_micro_batches", 2,
+     ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+      "--num-virtual-stages-per-pipeline-rank", "2", "--micro-batch-size", "1",
+      "--global-batch-size", "8", "--train-samples", "100", "--rampup-batch-size", "2", "1",
+      "20"], 1,
+     ["the interleaved schedule needs the micro-batches of every iteration to be a multiple of "
+      "--pipeline-model-parallel-size 2: --rampup-batch-size increment 1 is 1"]),
 ]
 
 
@@ -289,11 +326,13 @@ def test_pretrain_gpt_refuses(world, flags, status, needles, entry, gpt_data, ju
 
 
 def _numeric_flags(script: str):
-    """(flag, dest, type) of every int or float flag of an entry point's parser."""
+    """(flag, dest, type, values it takes) of every int or float flag of an entry point's
+    parser (values: 1, or nargs for one that takes several, as --rampup-batch-size)."""
     from parm_trainer.arguments import add_bert_args, build_parser
 
     extra = add_bert_args if script == "pretrain_bert_moe.py" else None
-    return [(action.option_strings[0], action.dest, action.type)
+    return [(action.option_strings[0], action.dest, action.type,
+             action.nargs if isinstance(action.nargs, int) else 1)
             for action in build_parser(extra)._actions
             if action.type in (int, float) and not action.choices]
 
@@ -319,11 +358,11 @@ def test_every_numeric_flag_has_its_range(script, entry, gpt_data, capsys):
     main = entry(script)
     flags = _numeric_flags(script)
     assert len(flags) > 40 if script == "pretrain_gpt_moe.py" else flags
-    missing = [flag for flag, dest, _ in flags if dest not in flag_ranges.RANGES]
+    missing = [flag for flag, dest, _, _ in flags if dest not in flag_ranges.RANGES]
     assert not missing, f"no range in parm_trainer/flag_ranges.py for {missing}"
-    for flag, dest, kind in flags:
+    for flag, dest, kind, count in flags:
         for value in _outside(flag_ranges.RANGES[dest], kind):
-            argv = pretrain_argv(gpt_data, flag, kind(value))
+            argv = pretrain_argv(gpt_data, flag, *[kind(value)] * count)
             assert_refused(main, argv, capsys, 1, f"{flag} must ")
 
 

@@ -47,8 +47,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, extra_args_provider=None,
         args.max_position_embeddings = args.seq_length
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = args.tensor_model_parallel_size
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
+    _training_length_defaults(args)
     if args.watchdog_timeout_minutes is None:
         args.watchdog_timeout_minutes = args.distributed_timeout_minutes
     if args.tokenizer_type is None:
@@ -76,3 +75,20 @@ def _given(argv, extra_args_provider) -> set:
     for action in parser._actions:
         action.default = argparse.SUPPRESS
     return set(vars(parser.parse_args(argv)))
+
+
+DEFAULT_TRAIN_ITERS = 100  # a run given neither --train-iters nor --train-samples
+
+
+def _training_length_defaults(args) -> None:
+    """Megatron-LM's defaults of its two kinds of schedule: iteration-based (--train-iters,
+    here also when neither is given) decays over --train-iters, sample-based (--train-samples;
+    its iterations are derived once the global batch size is known, planning/checks.py) over
+    --train-samples. The other kind's flags stay unset, so that checks.py can refuse them."""
+    if args.train_samples is None:
+        if args.train_iters is None:
+            args.train_iters = DEFAULT_TRAIN_ITERS
+        if args.lr_decay_iters is None:
+            args.lr_decay_iters = args.train_iters
+    elif args.lr_decay_samples is None:
+        args.lr_decay_samples = args.train_samples

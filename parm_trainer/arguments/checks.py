@@ -16,9 +16,8 @@ from parm_trainer.errors import ArgumentsError
 def check(args) -> None:
     if (out_of_range := flag_ranges.problem(args)) is not None:  # every numeric flag's range
         raise ArgumentsError(out_of_range)
-    if args.lr_warmup_iters and args.lr_warmup_iters >= args.lr_decay_iters:
-        raise ArgumentsError(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than "
-                             f"--lr-decay-iters {args.lr_decay_iters} (default --train-iters)")
+    if (schedule_problem := _schedule_problem(args)) is not None:
+        raise ArgumentsError(schedule_problem)
     if args.use_distributed_optimizer and args.optimizer != "adam":
         raise ArgumentsError("--use-distributed-optimizer supports --optimizer adam only")
     if not 0 <= args.min_lr <= args.lr:
@@ -41,6 +40,39 @@ def check(args) -> None:
     if not _split_is_valid(args.split):
         raise ArgumentsError(f"--split {args.split!r} must be up to three non-negative "
                              f"train,valid,test proportions with a positive sum, e.g. 969,30,1")
+
+
+def _schedule_problem(args) -> str | None:
+    """What Megatron-LM's validate_args asserts of the two kinds of schedule, as one line:
+    iteration-based (--train-iters) and sample-based (--train-samples) training take only
+    their own kind's decay, warmup and ramp-up flags; megatron-core's OptimizerParamScheduler
+    asserts a warmup shorter than the decay and an initial learning rate up to --lr."""
+    if args.train_iters is not None and args.train_samples is not None:
+        return ("--train-iters and --train-samples exclude each other: train for a number of "
+                "iterations or of samples (as in Megatron-LM)")
+    if args.train_samples is None:
+        strays = {"--lr-decay-samples": args.lr_decay_samples is not None,
+                  "--lr-warmup-samples": bool(args.lr_warmup_samples),
+                  "--rampup-batch-size": args.rampup_batch_size is not None}
+        needs = "sample-based training (--train-samples); this run counts iterations"
+        unit, warmup, decay = "iters", args.lr_warmup_iters, args.lr_decay_iters
+    else:
+        strays = {"--lr-decay-iters": args.lr_decay_iters is not None,
+                  "--lr-warmup-iters": bool(args.lr_warmup_iters)}
+        needs = "iteration-based training (--train-iters); this run counts samples"
+        unit, warmup, decay = "samples", args.lr_warmup_samples, args.lr_decay_samples
+    for flag, given in strays.items():
+        if given:
+            return f"{flag} needs {needs} (--train-{unit})"
+    if args.lr_warmup_fraction is not None and warmup:
+        return (f"--lr-warmup-fraction and --lr-warmup-{unit} exclude each other: give one "
+                f"warmup")
+    if warmup and warmup >= decay:
+        return (f"--lr-warmup-{unit} {warmup} must be smaller than --lr-decay-{unit} {decay} "
+                f"(default --train-{unit})")
+    if args.lr_warmup_init > args.lr:
+        return f"--lr-warmup-init {args.lr_warmup_init} must not exceed --lr {args.lr}"
+    return None
 
 
 def _check_backend(args) -> None:

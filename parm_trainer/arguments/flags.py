@@ -227,7 +227,9 @@ def _training_group(parser):
     g.add_argument("--micro-batch-size", type=int, default=2, help="Samples per micro-batch.")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="Samples per iteration (default micro x data-parallel size).")
-    g.add_argument("--train-iters", type=int, default=100, help="Iterations to train.")
+    g.add_argument("--train-iters", type=int, default=None,
+                   help="Iterations to train (default 100 unless --train-samples is given; "
+                        "the two exclude each other).")
     g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam", help="Optimizer.")
     g.add_argument("--lr", type=float, default=3e-4, help="Peak learning rate.")
     g.add_argument("--min-lr", type=float, default=0.0, help="Final learning rate.")
@@ -236,6 +238,25 @@ def _training_group(parser):
     g.add_argument("--lr-warmup-iters", type=int, default=0, help="Linear warmup iterations.")
     g.add_argument("--lr-decay-iters", type=int, default=None,
                    help="Iterations to decay over (default --train-iters).")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="Sample-based training: samples to train over all runs, instead of "
+                        "--train-iters (the iterations follow from the global batch size and "
+                        "its ramp-up, as in Megatron-LM).")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="Samples to decay the learning rate over, with --train-samples "
+                        "(default --train-samples).")
+    g.add_argument("--lr-warmup-samples", type=int, default=0,
+                   help="Samples to warm the learning rate up over, with --train-samples.")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="Warm up over this fraction of the decay (--lr-decay-iters or "
+                        "--lr-decay-samples), instead of --lr-warmup-iters/--lr-warmup-samples.")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="The learning rate the warmup starts from.")
+    g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None,
+                   metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="Ramp the global batch size up from START by INCREMENT to "
+                        "--global-batch-size, in equal steps over the first SAMPLES samples "
+                        "(megatron-core's calculator; needs --train-samples).")
     g.add_argument("--weight-decay", type=float, default=0.01, help="Decoupled weight decay.")
     g.add_argument("--clip-grad", type=float, default=1.0, help="Global gradient-norm clip.")
     g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")

@@ -152,6 +152,21 @@ def _validate_batch(args) -> None:
     args.num_microbatches = args.global_batch_size // per_step
     if args.pipeline_model_parallel_size > 1:
         _require(args.num_microbatches >= 1, "pipeline parallelism needs at least one micro-batch")
+    _validate_training_length(args)
+
+
+def _validate_training_length(args) -> None:
+    """The batch-size ramp-up against the layout, and the iterations of sample-based training
+    (--train-samples), which follow from the global batch size and its ramp-up."""
+    from parm_trainer.planning import batch_schedule  # megatron-core's: imported when used
+
+    ramp_problem = batch_schedule.problem(args)
+    _require(ramp_problem is None, ramp_problem)
+    if getattr(args, "train_samples", None) is not None:
+        args.train_iters = batch_schedule.train_iters(args)
+        _require(args.train_iters >= 1,
+                 f"--train-samples {args.train_samples} is less than one global batch "
+                 f"(--global-batch-size {args.global_batch_size})")
 
 
 def local_first_applies(args) -> bool:

@@ -17,7 +17,10 @@ from __future__ import annotations
 from parm_trainer.models.config import num_moe_layers
 
 
-def flops_per_iteration(args, vocab_size: int | None = None) -> float:
+def flops_per_iteration(args, vocab_size: int | None = None,
+                        batch_size: int | None = None) -> float:
+    """FLOPs of an iteration of batch_size samples (default --global-batch-size; the training
+    loop asks for one sample's and scales by the samples of a ramp-up's iterations)."""
     h, s, L = args.hidden_size, args.seq_length, args.num_layers
     vocab = vocab_size or getattr(args, "padded_vocab_size", 0) or 0
     gated = 3 if args.swiglu else 2
@@ -34,5 +37,5 @@ def flops_per_iteration(args, vocab_size: int | None = None) -> float:
         moe_mlp += 2 * gated * h * shared + (2 * h if args.moe_shared_expert_gate else 0)
     forward_per_token = (L * per_layer_common + moe_layers * moe_mlp
                          + (L - moe_layers) * dense_mlp + 2 * h * vocab)
-    tokens = args.global_batch_size * s
+    tokens = (batch_size or args.global_batch_size) * s
     return 3.0 * forward_per_token * tokens

@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.num_microbatches_calculator import (
+    get_current_global_batch_size, get_num_microbatches, update_num_microbatches)
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe import moe_utils
@@ -27,6 +29,7 @@ from parm_trainer.errors import NonFiniteLossError
 from parm_trainer.layer_pattern import moe_layer_pattern
 from parm_trainer.models.config import num_moe_layers, transformer_config
 from parm_trainer.parallel import destroy_distributed, rank_device
+from parm_trainer.planning import batch_schedule
 from parm_trainer.planning.paired_microbatches import not_applied as pairs_not_applied
 from parm_trainer.training import (checkpoint, faults, manual_gc, memory, memory_probe,
                                    microbatch_overlap, param_gather, watchdog)
@@ -114,6 +117,7 @@ class Trainer:
         self.config.timers, self.config.barrier_with_L1_time = (self.timers,
                                                                 args.barrier_with_L1_time)
         self.memory_before = memory.local_peak_bytes()  # the libraries, the process groups
+        batch_schedule.start(args, torch.distributed.get_rank())
         self.model = build_model(args, self.config, model_provider)
         self.optimizer, self.scheduler = build_optimizer(args, self.model, self.timers)
         wire_config(self.config, self.model, self.optimizer)
@@ -131,7 +135,7 @@ class Trainer:
         self.moe_loss_names = None  # _moe_loss_names(), once the routers have run
         self.expert_tokens = (ExpertTokenCounter(self.model, args.num_layers, args.num_experts)
                               if self.num_moe_layers else None)
-        self.flops = flops_per_iteration(args)
+        self.flops_per_sample = flops_per_iteration(args, batch_size=1)
         why = pairs_not_applied(args)
         if args.overlap_moe_expert_parallel_comm and why:
             print_rank_0(f"--overlap-moe-expert-parallel-comm: one micro-batch at a time here: "
@@ -159,23 +163,28 @@ class Trainer:
             print_rank_0(f"resumed from {args.load} at iteration {self.iteration}")
 
     def _num_samples(self):
+        """Samples per split, as Megatron-LM asks (evaluation in full global batches), the
+        training split at least what the iterations take (a ramp-up may pass
+        --train-samples)."""
         a = self.args
         evals = a.train_iters // a.eval_interval + 1
-        return (a.train_iters * a.global_batch_size, evals * a.eval_iters * a.global_batch_size,
+        train = max(a.train_samples or 0, batch_schedule.planned_samples(a))
+        return (train, evals * a.eval_iters * a.global_batch_size,
                 a.eval_iters * a.global_batch_size)
 
     def _run_schedule(self, iterator, forward_only: bool, probe=None):
         """iterator: one per model chunk (a list) under interleaved 1F1B. probe: the memory
         probe around this call, whose hooks the overlapped micro-batches' threads enter too."""
-        a = self.args
-        if microbatch_overlap.usable(a, forward_only):
+        a = self.args  # training: this iteration's micro-batches (ramp-up); evaluation: all
+        micro = a.num_microbatches if forward_only else get_num_microbatches()
+        if microbatch_overlap.usable(a, forward_only, micro):
             schedule = functools.partial(microbatch_overlap.forward_backward_overlapped,
                                          around=probe.hooks if probe is not None else None)
         else:
             schedule = get_forward_backward_func()
         return schedule(
             forward_step_func=self.forward_step, data_iterator=iterator, model=self.model,
-            num_microbatches=a.num_microbatches, seq_length=a.seq_length,
+            num_microbatches=micro, seq_length=a.seq_length,
             micro_batch_size=a.micro_batch_size, forward_only=forward_only)
 
     def train_step(self, iterator, report_moe: bool = True) -> dict:
@@ -206,7 +215,7 @@ class Trainer:
         _, grad_norm, _ = self.optimizer.step()
         if self.timers is not None:
             self.timers("optimizer").stop()
-        self.scheduler.step(increment=1)
+        self.scheduler.step(increment=get_current_global_batch_size())  # counts samples
         if self.args.memory_probe and not self.probed:
             self.probed = True
             for line in memory_probe.report(self.args, self.model, self.optimizer,
@@ -217,7 +226,7 @@ class Trainer:
         if self.num_moe_layers and report_moe:
             if self.moe_loss_names is None:
                 self.moe_loss_names = _moe_loss_names()
-            metrics.update(_moe_losses(self.args.num_microbatches, self.num_moe_layers,
+            metrics.update(_moe_losses(get_num_microbatches(), self.num_moe_layers,
                                        self.moe_loss_names, self.args.num_layers,
                                        getattr(self.args, "moe_per_layer_logging", False)))
             metrics["tokens per expert"] = self.expert_tokens.collect()
@@ -270,18 +279,22 @@ class Trainer:
         peak_mib, grown = memory.peak_mib(self.memory_before)  # collective, like the timings
         report = (run_timers.interval_report(self.timers, iterations)
                   if self.timers is not None else {})
-        tokens_per_s = a.global_batch_size * a.seq_length / seconds_per_iter
-        tflops = self.flops / seconds_per_iter / a.world_size / 1e12
+        batch = (self.consumed - self.logged_consumed) / iterations  # mean over a ramp-up
+        self.logged_consumed = self.consumed
+        tokens_per_s = batch * a.seq_length / seconds_per_iter
+        tflops = self.flops_per_sample * batch / seconds_per_iter / a.world_size / 1e12
         eta = (a.train_iters - self.iteration) * seconds_per_iter
         per_layer = metrics.get(PER_LAYER, {})
         scalars = {k: v for k, v in metrics.items() if k not in ("tokens per expert", PER_LAYER)}
         extra = "".join(f" | {k} {v:.4f}" for k, v in scalars.items()
-                        if k not in ("lm loss", "lr", "grad norm"))
+                        if k not in ("lm loss", "lr", "grad norm", "global batch size"))
         throughput = (f" | throughput per GPU (TFLOP/s/GPU): {tflops:.1f}"  # Megatron-LM's words
                       if a.log_throughput else "")
+        ramp = (f" | global batch size {metrics['global batch size']}"
+                if "global batch size" in metrics else "")
         print_rank_last(
             f"iteration {self.iteration:6d}/{a.train_iters} | lm loss {metrics['lm loss']:.6f} | "
-            f"lr {metrics['lr']:.3e} | grad norm {metrics['grad norm']:.3f}{extra} | "
+            f"lr {metrics['lr']:.3e}{ramp} | grad norm {metrics['grad norm']:.3f}{extra} | "
             f"ms/iter {seconds_per_iter * 1e3:.1f} | tokens/s {tokens_per_s:.0f} | "
             f"TFLOP/s/device {tflops:.4f}{throughput} | ETA {eta / 60:.1f} min | "
             f"peak {memory.KIND} {peak_mib:.1f} MiB (of it {grown:.1f} since the model was "
@@ -347,15 +360,19 @@ class Trainer:
             lambda: cycle(lambda: micro_batch_iterator(valid_ds, 0, a.micro_batch_size)))
         first = self._validate(valid_iterator, "validation (start)") if a.eval_iters else None
         manual_gc.start(a)
+        self.logged_consumed = self.consumed  # the samples of each log window: tokens/s
         window_start, window_iters = time.perf_counter(), 0
         stop = None  # why the run ends early (ExitRequest), if it does
         while self.iteration < a.train_iters:
+            update_num_microbatches(self.consumed, consistency_check=True)  # ramp-up's size
             logs_now = self._logs_at(self.iteration + 1)
             # every rank takes the same branch: the MoE metrics are reduced collectively
             metrics = self.train_step(train_iterator,
                                       report_moe=logs_now or bool(self.logger.json_path))
             self.iteration += 1
-            self.consumed += a.global_batch_size
+            self.consumed += get_current_global_batch_size()
+            if a.rampup_batch_size is not None:  # the log line's, as Megatron-LM's
+                metrics["global batch size"] = get_current_global_batch_size()
             manual_gc.after_iteration(a, self.iteration)
             window_iters += 1
             self.logger.record(self.iteration, {k: v for k, v in metrics.items()

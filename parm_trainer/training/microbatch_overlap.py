@@ -75,10 +75,12 @@ class _TurnTimer:
         self.timer.stop(barrier=barrier)
 
 
-def usable(args, forward_only: bool) -> bool:
-    """Whether this call of the schedule (training, or evaluation: forward_only) runs here."""
+def usable(args, forward_only: bool, microbatches: int = None) -> bool:
+    """Whether this call of the schedule (training, or evaluation: forward_only) runs here.
+    microbatches: this call's (default args.num_microbatches; a ramp-up's early iterations
+    may have one, which runs megatron's schedule)."""
     return (getattr(args, "overlap_moe_expert_parallel_comm", False) and not forward_only
-            and not_applied(args) is None)
+            and not_applied(args, microbatches) is None)
 
 
 def forward_backward_overlapped(*, forward_step_func, data_iterator, model, num_microbatches,

@@ -9,11 +9,11 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from parm_trainer.models.init import init_weights_layout_free
 from parm_trainer.moe.layer import expert_comm_explicit
+from parm_trainer.training.lr_schedule import build_scheduler
 from parm_trainer.training.paced_reduction import PacedBucket
 from parm_trainer.training.tied_embedding import (
     TiedEmbeddingGrad, bucket_size_isolating, tied_word_embedding)
@@ -132,20 +132,7 @@ def build_optimizer(args, model: list, timers=None):
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, model)
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0 if args.lr_warmup_iters else args.lr,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters,
-        lr_decay_steps=args.lr_decay_iters,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters,
-        wd_incr_style="constant",
-    )
-    return optimizer, scheduler
+    return optimizer, build_scheduler(args, optimizer)  # counting samples, as Megatron-LM
 
 
 def wire_config(config: TransformerConfig, model: list, optimizer) -> None:

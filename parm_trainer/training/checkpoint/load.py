@@ -20,7 +20,7 @@ from parm_trainer.training.checkpoint.files import (TRACKER, CheckpointError, it
 from parm_trainer.training.checkpoint.optimizer_state import (is_distributed, set_adam_state,
                                                               step_kept_apart)
 from parm_trainer.training.checkpoint.state import (describe_error, layout, restore_rng,
-                                                    sharded_state)
+                                                    scheduler_in_samples, sharded_state)
 
 
 # keys of optimizer state and RNG streams; every other tensor key belongs to the model
@@ -185,7 +185,7 @@ def _load_dir(path: str, model, optimizer, scheduler, load_optimizer: bool, load
         with torch.no_grad(), step_kept_apart(optimizer):
             optimizer.load_state_dict(loaded["optimizer"])
         set_adam_state(optimizer, step, placeholders=False)
-        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        scheduler.load_state_dict(scheduler_in_samples(loaded["opt_param_scheduler"], common))
     if with_rng:
         restore_rng(loaded["rng_state"])
     return int(common["iteration"]), int(common["consumed_train_samples"]), notes

@@ -17,8 +17,9 @@ from parm_trainer.training import faults, watchdog
 import parm_trainer.training.checkpoint.async_save as async_save
 from parm_trainer.training.checkpoint.files import CheckpointError, iteration_dir, replace_tracker
 from parm_trainer.training.checkpoint.optimizer_state import adam_step, is_distributed
-from parm_trainer.training.checkpoint.state import (describe_error, layout, optimizer_metadata,
-                                                    sharded_state, write_description)
+from parm_trainer.training.checkpoint.state import (SCHEDULER_COUNTS, describe_error, layout,
+                                                    optimizer_metadata, sharded_state,
+                                                    write_description)
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
@@ -48,7 +49,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
     extra = {"iteration": iteration, "consumed_train_samples": consumed_train_samples,
              "adam_step": adam_step(optimizer) if with_optimizer else 0, "layout": layout(),
              "distributed_optimizer": is_distributed(optimizer),
-             "with_optimizer": with_optimizer, "with_rng": with_rng}
+             "with_optimizer": with_optimizer, "with_rng": with_rng,
+             "scheduler_counts": SCHEDULER_COUNTS}
     metadata = optimizer_metadata(args.dist_ckpt_optim_fully_reshardable,
                                    args.distrib_optim_fully_reshardable_mem_efficient)
     state = sharded_state(model, optimizer, scheduler, extra,

@@ -65,6 +65,21 @@ def optimizer_metadata(fully_reshardable: bool, mem_efficient: bool = False) -> 
             "distrib_optim_fully_reshardable_mem_efficient": mem_efficient}
 
 
+SCHEDULER_COUNTS = "samples"  # what the LR schedule's steps count (training/lr_schedule.py)
+_SCHEDULER_LENGTHS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
+
+
+def scheduler_in_samples(saved: dict, common: dict) -> dict:
+    """The LR schedule's saved state, counted in samples as this version steps it. A checkpoint
+    that does not say (saved before the schedule counted samples) counted iterations of one
+    global batch each, constant then: its position and lengths are scaled by that batch."""
+    if common.get("scheduler_counts") == SCHEDULER_COUNTS or not common.get("iteration"):
+        return saved
+    batch = common["consumed_train_samples"] // common["iteration"]
+    return {key: value * batch if key in _SCHEDULER_LENGTHS else value
+            for key, value in saved.items()}
+
+
 def sharded_state(model, optimizer, scheduler, extra: dict, optimizer_metadata: Optional[dict],
                    is_loading: bool, with_rng: bool = True) -> dict:
     """What dist_checkpointing saves or loads; optimizer_metadata None leaves the optimizer out."""

@@ -47,6 +47,10 @@ RANGES = {
     "adam_beta1": BELOW_1, "adam_beta2": BELOW_1, "adam_eps": AT_LEAST_0,
     "seed": (0, 2**32 - 1, True, True),  # numpy's seed range (the data samplers')
     "exit_interval": AT_LEAST_0, "exit_duration_in_mins": POSITIVE,
+    # megatron-core's grad scalers assert these (grad_scaler.py); --loss-scale 0 is Megatron-LM's
+    # "no static scale" (its `if config.loss_scale:`), so dynamic scaling under --fp16
+    "loss_scale": AT_LEAST_0, "initial_loss_scale": POSITIVE, "min_loss_scale": POSITIVE,
+    "loss_scale_window": POSITIVE, "hysteresis": AT_LEAST_1,
     # data, evaluation, logging
     "num_workers": AT_LEAST_0, "eval_interval": AT_LEAST_1, "eval_iters": AT_LEAST_0,
     "save_interval": AT_LEAST_0, "log_interval": AT_LEAST_1,

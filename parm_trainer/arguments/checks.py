@@ -22,12 +22,31 @@ def check(args) -> None:
         raise ArgumentsError("--use-distributed-optimizer supports --optimizer adam only")
     if not 0 <= args.min_lr <= args.lr:
         raise ArgumentsError(f"--min-lr {args.min_lr} must be between 0 and --lr {args.lr}")
+    if (precision := _precision_problem(args)) is not None:
+        raise ArgumentsError(precision)
     _check_backend(args)
     if (moe_problem := moe_flags.problem(args)) is not None:
         raise ArgumentsError(moe_problem)
     if not _split_is_valid(args.split):
         raise ArgumentsError(f"--split {args.split!r} must be up to three non-negative "
                              f"train,valid,test proportions with a positive sum, e.g. 969,30,1")
+
+
+def _precision_problem(args) -> str | None:
+    """--fp16 and its loss scaling as Megatron-LM's validate_args and megatron-core's
+    DynamicGradScaler take them (their bare asserts, as one line each)."""
+    if args.fp16 and args.bf16:
+        return "--fp16 and --bf16 exclude each other: choose one"
+    if not args.fp16 or args.loss_scale:  # no dynamic scaler is built
+        return None
+    if args.min_loss_scale > args.initial_loss_scale:
+        return (f"--min-loss-scale {args.min_loss_scale:g} must not exceed "
+                f"--initial-loss-scale {args.initial_loss_scale:g}")
+    if args.loss_scale_window != int(args.loss_scale_window):
+        # megatron-core compares an integer count with it: a fraction never raises the scale
+        return (f"--loss-scale-window {args.loss_scale_window:g} must be a whole number of "
+                f"iterations")
+    return None
 
 
 def _check_backend(args) -> None:

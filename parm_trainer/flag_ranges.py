@@ -54,6 +54,10 @@ RANGES = {
     "seed": (0, 2**32 - 1, True, True),  # numpy's seed range (the data samplers')
     "exit_interval": AT_LEAST_0, "exit_duration_in_mins": POSITIVE,
     "manual_gc_interval": AT_LEAST_0,
+    # megatron-core's grad scalers assert these (grad_scaler.py); --loss-scale 0 is Megatron-LM's
+    # "no static scale" (its `if config.loss_scale:`), so dynamic scaling under --fp16
+    "loss_scale": AT_LEAST_0, "initial_loss_scale": POSITIVE, "min_loss_scale": POSITIVE,
+    "loss_scale_window": POSITIVE, "hysteresis": AT_LEAST_1,
     # data, evaluation, logging
     "num_workers": AT_LEAST_0, "vocab_size": AT_LEAST_1, "eval_interval": AT_LEAST_1,
     "eval_iters": AT_LEAST_0,

@@ -248,6 +248,19 @@ PRETRAIN_CASES = [
     ("grouped_gemm_fp32", 1, ["--moe-grouped-gemm"], 1,
      ["--moe-grouped-gemm with --transformer-impl local runs megatron-core's GroupedMLP, "
       "which needs --bf16"]),
+    # mixed precision: Megatron-LM's validate_args, megatron-core's grad scalers
+    ("fp16_with_bf16", 1, ["--fp16", "--bf16"], 1,
+     ["--fp16 and --bf16 exclude each other: choose one"]),
+    ("min_loss_scale_over_initial", 1, ["--fp16", "--initial-loss-scale", "4",
+                                        "--min-loss-scale", "8"], 1,
+     ["--min-loss-scale 8 must not exceed --initial-loss-scale 4"]),
+    ("fractional_loss_scale_window", 1, ["--fp16", "--loss-scale-window", "1.5"], 1,
+     ["--loss-scale-window 1.5 must be a whole number of iterations"]),
+    ("negative_loss_scale", 1, ["--fp16", "--loss-scale", "-1"], 1,
+     ["--loss-scale must not be negative, got -1.0"]),
+    ("grouped_gemm_fp16", 1, ["--fp16", "--moe-grouped-gemm"], 1,
+     ["--moe-grouped-gemm with --transformer-impl local runs megatron-core's GroupedMLP, "
+      "which needs --bf16"]),
     ("cost_profile_missing", 1, ["--moe-parm-schedule", "auto", "--moe-parm-cost-profile",
                                  "{junk}/nothing.json"], 1,
      ["--moe-parm-cost-profile {junk}/nothing.json: no such file"]),

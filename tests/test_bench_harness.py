@@ -37,7 +37,8 @@ def test_rows_of_schedules_and_peers():
                       (["--schedules", "s3"], "--schedules: unknown ['s3']"),
                       (["--schedules", "s1/r0,baseline/r2,s1/local"],
                        "--schedules: unknown ['s1/r0', 'baseline/r2', 's1/local']"),
-                      (["--peers", "deepspeed", "--bf16"], "--bf16: the DeepSpeed peers")):
+                      (["--peers", "deepspeed", "--bf16"], "--bf16: the DeepSpeed peers"),
+                      (["--fp16"], "--fp16: the layer benchmark measures fp32 or --bf16")):
         with pytest.raises(flags.ToolError, match=said.replace("[", r"\[").replace("]", r"\]")):
             rows(*bad)
 

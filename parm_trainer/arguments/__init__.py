@@ -54,7 +54,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, extra_args_provider=None,
         args.tokenizer_type = default_tokenizer_type(args)
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
-    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    args.params_dtype = (torch.float16 if args.fp16 else torch.bfloat16 if args.bf16
+                         else torch.float32)
     if args.moe_pad_expert_input_to_capacity:  # Megatron-LM's flag: experts padded to capacity
         args.moe_parm_exchange = "padded"
     args.start_notes = overridden + notes(args)  # the lines start-up logs once (initialize.py)

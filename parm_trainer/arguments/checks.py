@@ -34,6 +34,8 @@ def check(args) -> None:
         raise ArgumentsError("--no-position-embedding is deprecated in Megatron-LM and valid "
                              "only with --position-embedding-type rope; use "
                              "--position-embedding-type")
+    if (precision := _precision_problem(args)) is not None:
+        raise ArgumentsError(precision)
     _check_backend(args)
     if (moe_problem := moe_flags.problem(args)) is not None:
         raise ArgumentsError(moe_problem)
@@ -72,6 +74,22 @@ def _schedule_problem(args) -> str | None:
                 f"(default --train-{unit})")
     if args.lr_warmup_init > args.lr:
         return f"--lr-warmup-init {args.lr_warmup_init} must not exceed --lr {args.lr}"
+
+
+def _precision_problem(args) -> str | None:
+    """--fp16 and its loss scaling as Megatron-LM's validate_args and megatron-core's
+    DynamicGradScaler take them (their bare asserts, as one line each)."""
+    if args.fp16 and args.bf16:
+        return "--fp16 and --bf16 exclude each other: choose one"
+    if not args.fp16 or args.loss_scale:  # no dynamic scaler is built
+        return None
+    if args.min_loss_scale > args.initial_loss_scale:
+        return (f"--min-loss-scale {args.min_loss_scale:g} must not exceed "
+                f"--initial-loss-scale {args.initial_loss_scale:g}")
+    if args.loss_scale_window != int(args.loss_scale_window):
+        # megatron-core compares an integer count with it: a fraction never raises the scale
+        return (f"--loss-scale-window {args.loss_scale_window:g} must be a whole number of "
+                f"iterations")
     return None
 
 

@@ -264,6 +264,25 @@ def _training_group(parser):
     g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
     g.add_argument("--seed", type=int, default=1234, help="Seed for init, data and dropout.")
     g.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPU).")
+    g.add_argument("--fp16", action="store_true",
+                   help="fp16 mixed precision: the model in fp16, fp32 main weights in the "
+                        "optimizer, the loss scaled (dynamically unless --loss-scale); a step "
+                        "whose gradients overflow is skipped.")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="Static loss scale (a positive power of 2 helps fp16 converge). None "
+                        "(or 0): dynamic loss scaling with --fp16.")
+    g.add_argument("--initial-loss-scale", type=float, default=2**32,
+                   help="Initial loss scale of dynamic loss scaling.")
+    g.add_argument("--min-loss-scale", type=float, default=1.0,
+                   help="Minimum loss scale of dynamic loss scaling.")
+    g.add_argument("--loss-scale-window", type=float, default=1000,
+                   help="Dynamic loss scaling doubles the scale after this many iterations "
+                        "in a row without an overflow.")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="Dynamic loss scaling halves the scale at the overflowing iteration "
+                        "that is this many since the start or the last increase, and at every "
+                        "one after it until the next increase (megatron-core's "
+                        "DynamicGradScaler).")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="Stop (after saving) once the iteration is a multiple of this.")
     g.add_argument("--exit-duration-in-mins", type=float, default=None,

@@ -135,6 +135,8 @@ def parse(argv, world_size=None):
         raise ToolError("--iters and --warmup must not be negative")
     if args.swiglu:
         raise ToolError("--swiglu: the reference implements the gelu expert only")
+    if args.fp16:  # the reference is rounded to the layer's dtype for --bf16 only (weights.py)
+        raise ToolError("--fp16: the layer benchmark measures fp32 or --bf16 layers")
     if args.bf16 and any(name.startswith("deepspeed") for name in args.schedule_list):
         raise ToolError("--bf16: the DeepSpeed peers run in fp32 here")
     # today's MoE blocks: checked against megatron's row instead of the reference (features.py)

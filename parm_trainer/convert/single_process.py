@@ -38,7 +38,7 @@ def one_rank_args(saved_args: dict, **overrides) -> argparse.Namespace:
     for key, value in {**ONE_RANK, **overrides}.items():
         setattr(args, key, value)
     args.params_dtype = torch.float32
-    args.bf16 = False
+    args.bf16 = args.fp16 = False
     return args
 
 

@@ -55,6 +55,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         sequence_parallel=args.sequence_parallel,
         bf16=args.bf16,
+        fp16=args.fp16,
         params_dtype=args.params_dtype,
         pipeline_dtype=args.params_dtype,
         # Per-micro-batch mean loss (Megatron-LM's default). megatron-core 0.16's per-token mode

@@ -124,7 +124,8 @@ def layer_shape(args, per_node=None) -> LayerShape:
     return LayerShape(
         tokens=args.seq_length * args.micro_batch_size, hidden=args.hidden_size,
         ffn=args.moe_ffn_hidden_size, experts=args.num_experts, topk=args.moe_router_topk,
-        capacity_factor=args.moe_expert_capacity_factor, bytes_per_element=2 if args.bf16 else 4,
+        capacity_factor=args.moe_expert_capacity_factor, bytes_per_element=(
+            2 if args.bf16 or getattr(args, "fp16", False) else 4),
         mp=args.tensor_model_parallel_size, ep=args.expert_model_parallel_size,
         esp=args.expert_tensor_parallel_size, sequence_parallel=args.sequence_parallel,
         chunks=args.moe_parm_chunks,

@@ -8,7 +8,7 @@ Per pipeline rank (its chunks under the run's layout, args.pipeline_stages):
   weights and gradients  the parameters this rank holds (dense ones / MP, experts / (EP x ESP),
                          the word embedding once where E and L share a stage) in the model's
                          dtype, and their fp32 gradient buffer (megatron's DDP)
-  optimizer              Adam's two fp32 moments (and an fp32 copy under bf16); with
+  optimizer              Adam's two fp32 moments (and an fp32 copy under bf16 or fp16); with
                          --use-distributed-optimizer the dense ones over DP, the experts' over
                          the expert-DP group
   activations            what autograd saves per micro-batch (top-k expert rows included), at

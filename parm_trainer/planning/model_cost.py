@@ -68,7 +68,7 @@ class ModelCost:
         self.dp = a.world_size // (self.tp * self.pp)
         self.edp = a.world_size // (a.expert_model_parallel_size * a.expert_tensor_parallel_size
                                     * self.pp)  # the experts' data-parallel size
-        self.e = 2 if a.bf16 else 4
+        self.e = 2 if a.bf16 or getattr(a, "fp16", False) else 4
         self.n = a.seq_length * a.micro_batch_size
         self.sp = a.sequence_parallel and self.tp > 1
         self.vocab = getattr(a, "padded_vocab_size", None) or getattr(a, "vocab_size", 32000)
@@ -291,7 +291,7 @@ class ModelCost:
         """(parameters and their fp32 gradients, optimizer state) of params (expert_params of
         them in experts) on this rank; the distributed optimizer shards the dense ones' state
         over DP, the experts' over the expert-data-parallel group."""
-        optimizer = 12 if self.args.bf16 else 8  # (fp32 copy) + two Adam moments
+        optimizer = 12 if self.e == 2 else 8  # (fp32 copy of 16-bit weights) + two Adam moments
         dense, experts = params - expert_params, expert_params
         if getattr(self.args, "use_distributed_optimizer", False):
             dense, experts = dense / self.dp, experts / max(1, self.edp)

@@ -68,7 +68,7 @@ def _key(args, candidates) -> str:
         "shape": [args.seq_length, args.micro_batch_size, args.hidden_size,
                   args.moe_ffn_hidden_size, args.num_experts, args.moe_router_topk,
                   args.moe_expert_capacity_factor, bool(args.moe_router_pre_softmax),
-                  "bf16" if args.bf16 else "fp32"],
+                  "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"],
         "exchange": args.moe_parm_exchange, "candidates": [list(c) for c in candidates],
         "blocks": moe_flags.config_fields(args),  # shared expert, routing (moe_flags.py)
         # entries timed otherwise are re-measured
@@ -194,7 +194,7 @@ def _build(args, config, name, device):
 
     layer = ParmMoELayer(config, moe_module_spec(args).submodules, layer_number=1,
                          schedule=name, chunks=1, exchange=args.moe_parm_exchange).to(device)
-    return layer.to(torch.bfloat16) if args.bf16 else layer
+    return layer.to(args.params_dtype)  # the training's dtype (fp32, bf16 or fp16)
 
 
 def _layers(args, config, names, device) -> dict:
@@ -229,7 +229,7 @@ def _measure(args, candidates) -> tuple:
     seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
     gen = torch.Generator().manual_seed(1234 + torch.distributed.get_rank())
     x = torch.randn(seq, args.micro_batch_size, args.hidden_size, generator=gen).to(
-        device, torch.bfloat16 if args.bf16 else torch.float32)
+        device, args.params_dtype)
 
     def run(candidate) -> float:
         name, chunks, local, *overlap = candidate  # (..., shared expert overlapped)

@@ -6,7 +6,8 @@ One iteration runs megatron's pipeline schedule (no pipelining, 1F1B with
 --pipeline-model-parallel-size > 1, interleaved 1F1B over the model chunks of a rank with
 virtual stages) over the global batch's micro-batches, finalises gradients
 (DP all-reduce, sequence-parallel norms, tied embeddings), checks the loss is finite on every
-rank, then steps the optimizer and the LR schedule.
+rank, then steps the optimizer and the LR schedule (neither, under --fp16, where the gradients
+overflowed: loss_scale.py).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from parm_trainer.models.config import num_moe_layers, transformer_config
 from parm_trainer.parallel import destroy_distributed, rank_device
 from parm_trainer.planning import batch_schedule
 from parm_trainer.planning.paired_microbatches import not_applied as pairs_not_applied
-from parm_trainer.training import (checkpoint, faults, manual_gc, memory, memory_probe,
-                                   microbatch_overlap, param_gather, watchdog)
+from parm_trainer.training import (checkpoint, faults, loss_scale, manual_gc, memory,
+                                   memory_probe, microbatch_overlap, param_gather, watchdog)
 from parm_trainer.training.checkpoint import async_save
 from parm_trainer.training import timers as run_timers
 from parm_trainer.training.data import cycle, micro_batch_iterator
@@ -45,6 +46,7 @@ from parm_trainer.training.setup import build_model, build_optimizer, wire_confi
 MOE_LOSS_NAMES = ("load_balancing_loss", "seq_load_balancing_loss",
                   "global_load_balancing_loss", "z_loss")
 PER_LAYER = "moe losses per layer"  # --moe-per-layer-logging: {name: [each layer's value]}
+LOSS_SCALE_KEYS = (loss_scale.LOSS_SCALE, loss_scale.SKIPPED)  # their own place on the line
 
 
 
@@ -124,6 +126,7 @@ class Trainer:
         if param_gather.overlapped(self.model):  # read from megatron-core's DDP itself
             print_rank_0("--overlap-param-gather: the updated parameters are gathered bucket by "
                          "bucket in the next forward pass (megatron-core DDP's pre-hooks)")
+        self.skipped_steps = loss_scale.SkippedSteps(self.optimizer)
         self.iteration, self.consumed, self.probed = 0, 0, False
         self.background_saves = (async_save.BackgroundSaves(self._saved, print_rank_0)
                                  if args.async_save and args.save else None)
@@ -203,7 +206,10 @@ class Trainer:
         if faults.nan_at(self.iteration + 1):
             losses["lm loss"] = float("nan")
         watchdog.beat(self.iteration + 1, "optimizer step")
-        for name, loss in losses.items():
+        # Megatron-LM: under dynamic loss scaling a non-finite loss is the scaler's to handle
+        # (its gradients overflow: the step is skipped, the scale lowered), not an error
+        checked = {} if loss_scale.dynamic(self.args) else losses
+        for name, loss in checked.items():
             if not math.isfinite(loss):
                 self._finish_saves()  # every rank stops here: the save out is recorded first
                 raise NonFiniteLossError(
@@ -212,17 +218,19 @@ class Trainer:
                     f"(last checkpoint: {self.args.save or 'none'})")
         if self.timers is not None:
             self.timers("optimizer", log_level=1).start(barrier=self.args.barrier_with_L1_time)
-        _, grad_norm, _ = self.optimizer.step()
+        updated, grad_norm, _ = self.optimizer.step()  # not updated: fp16 gradients overflowed
         if self.timers is not None:
             self.timers("optimizer").stop()
-        self.scheduler.step(increment=get_current_global_batch_size())  # counts samples
+        if updated:  # as Megatron-LM's train_step, a skipped step leaves the LR schedule alone
+            self.scheduler.step(increment=get_current_global_batch_size())  # counts samples
         if self.args.memory_probe and not self.probed:
             self.probed = True
             for line in memory_probe.report(self.args, self.model, self.optimizer,
                                             probe.peak_bytes):
                 print_rank_0(line)
         metrics = {**losses, "lr": self.scheduler.get_lr(self.optimizer.param_groups[0]),
-                   "grad norm": grad_norm if grad_norm is not None else float("nan")}
+                   "grad norm": grad_norm if grad_norm is not None else float("nan"),
+                   **self.skipped_steps.after_step(self.optimizer, updated)}
         if self.num_moe_layers and report_moe:
             if self.moe_loss_names is None:
                 self.moe_loss_names = _moe_loss_names()
@@ -287,14 +295,16 @@ class Trainer:
         per_layer = metrics.get(PER_LAYER, {})
         scalars = {k: v for k, v in metrics.items() if k not in ("tokens per expert", PER_LAYER)}
         extra = "".join(f" | {k} {v:.4f}" for k, v in scalars.items()
-                        if k not in ("lm loss", "lr", "grad norm", "global batch size"))
+                        if k not in ("lm loss", "lr", "grad norm", "global batch size",
+                                     *LOSS_SCALE_KEYS))
         throughput = (f" | throughput per GPU (TFLOP/s/GPU): {tflops:.1f}"  # Megatron-LM's words
                       if a.log_throughput else "")
         ramp = (f" | global batch size {metrics['global batch size']}"
                 if "global batch size" in metrics else "")
         print_rank_last(
             f"iteration {self.iteration:6d}/{a.train_iters} | lm loss {metrics['lm loss']:.6f} | "
-            f"lr {metrics['lr']:.3e}{ramp} | grad norm {metrics['grad norm']:.3f}{extra} | "
+            f"lr {metrics['lr']:.3e}{ramp} | grad norm {metrics['grad norm']:.3f}"
+            f"{self.skipped_steps.text(metrics)}{extra} | "
             f"ms/iter {seconds_per_iter * 1e3:.1f} | tokens/s {tokens_per_s:.0f} | "
             f"TFLOP/s/device {tflops:.4f}{throughput} | ETA {eta / 60:.1f} min | "
             f"peak {memory.KIND} {peak_mib:.1f} MiB (of it {grown:.1f} since the model was "
@@ -324,6 +334,7 @@ class Trainer:
                                              "peak_memory_mib": peak_mib}, prefix="train/")
         self.logger.scalars(self.iteration, run_timers.max_over_ranks(report), prefix="time_ms/")
         self.logger.write_json()
+        self.skipped_steps.logged()
 
     def _validate(self, valid_iterator, label="validation"):
         result = self.evaluate(valid_iterator)

@@ -14,6 +14,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from parm_trainer.models.init import init_weights_layout_free
 from parm_trainer.moe.layer import expert_comm_explicit
 from parm_trainer.training.lr_schedule import build_scheduler
+from parm_trainer.training import loss_scale
 from parm_trainer.training.paced_reduction import PacedBucket
 from parm_trainer.training.tied_embedding import (
     TiedEmbeddingGrad, bucket_size_isolating, tied_word_embedding)
@@ -89,8 +90,8 @@ def build_model(args, config: TransformerConfig, model_provider: ModelProvider) 
             args, config,
             parallel_state.is_pipeline_first_stage(ignore_virtual=False, **extra),
             parallel_state.is_pipeline_last_stage(ignore_virtual=False, **extra), **extra)
-        if args.bf16:  # as Megatron-LM's Float16Module: megatron builds norms and the
-            module.bfloat16()  # position table in fp32, and fp32 weights meet bf16 inputs
+        if args.bf16 or args.fp16:  # as Megatron-LM's Float16Module: megatron builds norms and
+            module.to(args.params_dtype)  # the position table in fp32, fp32 meeting 16-bit inputs
         init_weights_layout_free(module, args.seed, args.init_method_std, args.num_layers)
         mark_expert_params(module)
         expert_comm_explicit(module)
@@ -130,8 +131,9 @@ def build_optimizer(args, model: list, timers=None):
         bf16=args.bf16,
         params_dtype=args.params_dtype,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        **loss_scale.optimizer_fields(args),
     )
-    optimizer = get_megatron_optimizer(opt_config, model)
+    optimizer = loss_scale.one_scaler(get_megatron_optimizer(opt_config, model))
     return optimizer, build_scheduler(args, optimizer)  # counting samples, as Megatron-LM
 
 

@@ -58,6 +58,27 @@ def gpt_data(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def gpt2_data(gpt_data):
+    """The GPT tests' corpus under a GPT-2 byte-level BPE made here (the `tokenizers` library
+    writes vocab.json and merges.txt, as Megatron-LM's GPT-3 recipe reads them)."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    out = gpt_data["dir"] / "gpt2"
+    out.mkdir()
+    texts = [json.loads(line)["text"] for line in open(gpt_data["dir"] / "corpus.jsonl")]
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts, vocab_size=1000, min_frequency=2,
+                            special_tokens=["<|endoftext|>"], show_progress=False)
+    bpe.save_model(str(out))
+    files = {"vocab_file": str(out / "vocab.json"), "merge_file": str(out / "merges.txt")}
+    run_tool("tools/preprocess_data.py", "--input", gpt_data["dir"] / "corpus.jsonl",
+             "--json-keys", "text", "--output-prefix", out / "corpus", "--vocab-file",
+             files["vocab_file"], "--merge-file", files["merge_file"], "--append-eod",
+             "--workers", 1)
+    return {**files, "prefix": str(out / "corpus_text_document")}
+
+
+@pytest.fixture(scope="session")
 def bert_data(gpt_data):
     """The GPT tests' corpus and tokenizer, one sequence per sentence."""
     out = gpt_data["dir"]

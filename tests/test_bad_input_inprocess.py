@@ -296,8 +296,6 @@ PRETRAIN_CASES = [
     ("decay_samples_with_iters", 1, ["--train-iters", "10", "--lr-decay-samples", "100"], 1,
      ["--lr-decay-samples needs sample-based training (--train-samples); this run counts "
       "iterations (--train-iters)"]),
-    ("rampup_with_iters", 1, ["--rampup-batch-size", "2", "2", "100"], 1,
-     ["--rampup-batch-size needs sample-based training (--train-samples)"]),
     ("decay_iters_with_samples", 1, ["--train-samples", "100", "--lr-decay-iters", "10"], 1,
      ["--lr-decay-iters needs iteration-based training (--train-iters); this run counts "
       "samples (--train-samples)"]),

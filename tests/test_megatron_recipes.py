@@ -173,3 +173,54 @@ def test_overlap_param_gather_trains_and_saves_as_without(gpt_data, tmp_path):
         assert plain.keys() == overlapped.keys() and plain
         for key in plain:
             assert (plain[key] == overlapped[key]).all(), (iteration, key)
+
+
+GPT3_LAYOUTS = {2: {"--tensor-model-parallel-size": "2", "--pipeline-model-parallel-size": "1"},
+                4: {"--tensor-model-parallel-size": "2", "--pipeline-model-parallel-size": "2"}}
+GPT3_SIZES = {
+    "--num-layers": "4", "--hidden-size": "64", "--num-attention-heads": "4",
+    "--seq-length": "64", "--max-position-embeddings": "64", "--global-batch-size": "8",
+    "--rampup-batch-size": ["2", "2", "8"], "--train-iters": "40", "--lr-decay-iters": "40",
+    "--log-interval": "1", "--save-interval": "40", "--eval-interval": "20", "--eval-iters": "1",
+    "--split": "90,5,5"}
+
+
+def ramped_sizes(iterations: int) -> list:
+    """The global batch of each iteration by megatron-core's own calculator, fed the samples
+    consumed before it (--rampup-batch-size 2 2 8 to 8, micro-batch 1, one data-parallel rank)."""
+    from megatron.core.num_microbatches_calculator import (
+        RampupBatchsizeNumMicroBatchesCalculator)
+
+    ramp, consumed, sizes = RampupBatchsizeNumMicroBatchesCalculator(8, 1, 1, False, -1, 2, 2,
+                                                                     8), 0, []
+    for _ in range(iterations):
+        ramp.update(consumed, consistency_check=True)
+        sizes.append(ramp.get_current_global_batch_size())
+        consumed += sizes[-1]
+    return sizes
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_gpt3_recipe_trains(nproc, gpt2_data, tmp_path):
+    """examples/gpt3's arrays as published (fp16 with dynamic loss scaling, the batch-size
+    ramp-up under --train-iters, --lr-warmup-fraction, GPT-2 BPE from --vocab-file and
+    --merge-file without --tokenizer-type, --attention-backend auto) on 2 and 4 CPU ranks."""
+    argv = recipes.argv(recipes.GPT3_175B, {**GPT3_SIZES, **GPT3_LAYOUTS[nproc]},
+                        {"DATA_PATH": gpt2_data["prefix"], "VOCAB_FILE": gpt2_data["vocab_file"],
+                         "MERGE_FILE": gpt2_data["merge_file"],
+                         "CHECKPOINT_PATH": tmp_path / "ckpt",
+                         "TENSORBOARD_LOGS_PATH": tmp_path / "tensorboard"})
+    run = launch(nproc, argv, tmp_path)
+    assert run.returncode == 0, run.output[-4000:]
+    assert [row["iteration"] for row in run.losses] == list(range(1, 41))
+    assert [row.get("global batch size", 8) for row in run.losses] == ramped_sizes(40)
+    # the default --initial-loss-scale 2^32 overflows fp16 gradients: steps are skipped, the
+    # scale halved every --hysteresis 2 of them, until one step's gradients fit
+    skipped = [row["number of skipped iterations"] for row in run.losses]
+    first = skipped.index(0)
+    assert first >= 2 and set(skipped[:first]) == {1} and skipped[-1] == 0
+    assert run.losses[first]["loss scale"] <= 2.0 ** 32 / 2 ** (first // 2)
+    assert all(0 < row["lm loss"] < 20 for row in run.losses[first:])
+    saved = json.loads((tmp_path / "ckpt" / "iter_0000040" / "run.json").read_text())["args"]
+    assert saved["tokenizer_type"] == "GPT2BPETokenizer" and saved["fp16"]
+    assert list((tmp_path / "tensorboard").iterdir())

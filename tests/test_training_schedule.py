@@ -130,6 +130,16 @@ def test_train_samples_give_megatron_lms_iterations(batch, samples, iterations, 
     assert (default.train_iters, default.lr_decay_iters, default.train_samples) == (100, 100, None)
 
 
+def test_ramp_up_with_train_iters_trains_those_iterations(calculator):
+    """Megatron-LM's own GPT-3 recipe ramps the batch up under --train-iters (its
+    validate_args refuses that): here it trains --train-iters iterations of the ramped sizes,
+    megatron-core's calculator's, and the training split holds what they take."""
+    args = _run_args(["--train-iters", "30", *RAMP])
+    assert args.train_iters == 30 and args.train_samples is None
+    assert batch_schedule.planned_samples(args) == sum(RAMP_SIZES[:30])
+    assert [size for size, _, _ in _trained(args, 30)] == RAMP_SIZES[:30]
+
+
 SAMPLES = ["--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-init", "1e-5",
            "--lr-decay-style", "cosine", "--train-samples", "2000", *RAMP]
 

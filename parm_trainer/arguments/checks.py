@@ -53,9 +53,11 @@ def _schedule_problem(args) -> str | None:
         return ("--train-iters and --train-samples exclude each other: train for a number of "
                 "iterations or of samples (as in Megatron-LM)")
     if args.train_samples is None:
+        # a ramp-up under --train-iters: Megatron-LM's validate_args refuses it, yet its own
+        # GPT-3 recipe (examples/gpt3, core_v0.16.1) asks for it; here it trains as asked,
+        # --train-iters iterations of the ramped sizes, the LR schedule counting samples
         strays = {"--lr-decay-samples": args.lr_decay_samples is not None,
-                  "--lr-warmup-samples": bool(args.lr_warmup_samples),
-                  "--rampup-batch-size": args.rampup_batch_size is not None}
+                  "--lr-warmup-samples": bool(args.lr_warmup_samples)}
         needs = "sample-based training (--train-samples); this run counts iterations"
         unit, warmup, decay = "iters", args.lr_warmup_iters, args.lr_decay_iters
     else:

@@ -256,7 +256,9 @@ def _training_group(parser):
                    metavar=("START", "INCREMENT", "SAMPLES"),
                    help="Ramp the global batch size up from START by INCREMENT to "
                         "--global-batch-size, in equal steps over the first SAMPLES samples "
-                        "(megatron-core's calculator; needs --train-samples).")
+                        "(megatron-core's calculator); with --train-samples as Megatron-LM, "
+                        "and with --train-iters (as its GPT-3 recipe asks, which Megatron-LM "
+                        "0.16 itself refuses) that many iterations of the ramped sizes.")
     g.add_argument("--weight-decay", type=float, default=0.01, help="Decoupled weight decay.")
     g.add_argument("--clip-grad", type=float, default=1.0, help="Global gradient-norm clip.")
     g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")

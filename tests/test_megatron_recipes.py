@@ -224,3 +224,15 @@ def test_gpt3_recipe_trains(nproc, gpt2_data, tmp_path):
     saved = json.loads((tmp_path / "ckpt" / "iter_0000040" / "run.json").read_text())["args"]
     assert saved["tokenizer_type"] == "GPT2BPETokenizer" and saved["fp16"]
     assert list((tmp_path / "tensorboard").iterdir())
+
+
+def test_readme_lists_every_megatron_only_flag_with_its_effect():
+    """README's paragraph under the flags table: each row in the list of its effect."""
+    readme = open("README.md").read()
+    lists = {line.split(":")[0]: line for line in readme.splitlines()
+             if line.startswith(("- no effect", "- accepted at this stack's", "- refused:"))}
+    assert len(lists) == 3, lists.keys()
+    for row in ROWS:
+        where = ("- accepted at this stack's own value only, other values refused" if row.fine
+                 else "- no effect (logged once)" if row.effect == "none" else "- refused")
+        assert f"`{row.flag}" in lists[where], (row.flag, where)

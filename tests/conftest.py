@@ -21,6 +21,9 @@ import psutil
 import pytest
 from torchrun_server import RENDEZVOUS_HUNG
 
+# fixtures kept in modules of their own: the data sets, and what the bad-input tests share
+pytest_plugins = ["data_fixtures", "bad_input_fixtures"]
+
 ROOT = Path(__file__).resolve().parents[1]
 # auto's start-up measurements (parm_trainer/schedule/tune.py) in one cache for the whole
 # session, both workers of pytest -n included (the controller's pid names it): a layer is
@@ -41,51 +44,6 @@ def run_tool(*args, timeout=300):
     result = python(*args, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
-
-
-@pytest.fixture(scope="session")
-def gpt_data(tmp_path_factory):
-    """A 400 KB corpus of standard-library prose, a 2000-piece tokenizer, an indexed dataset."""
-    out = tmp_path_factory.mktemp("gpt_data")
-    run_tool("tools/make_demo_corpus.py", "--output", out / "corpus.jsonl", "--max-bytes", 400_000)
-    run_tool("tools/train_tokenizer.py", "--input", out / "corpus.jsonl", "--json-keys", "text",
-             "--output-prefix", out / "tokenizer", "--vocab-size", 2000)
-    run_tool("tools/preprocess_data.py", "--input", out / "corpus.jsonl", "--json-keys", "text",
-             "--output-prefix", out / "corpus", "--tokenizer-type", "SentencePieceTokenizer",
-             "--tokenizer-model", out / "tokenizer.model", "--append-eod", "--workers", 1)
-    return {"dir": out, "prefix": str(out / "corpus_text_document"),
-            "tokenizer": str(out / "tokenizer.model")}
-
-
-@pytest.fixture(scope="session")
-def gpt2_data(gpt_data):
-    """The GPT tests' corpus under a GPT-2 byte-level BPE made here (the `tokenizers` library
-    writes vocab.json and merges.txt, as Megatron-LM's GPT-3 recipe reads them)."""
-    from tokenizers import ByteLevelBPETokenizer
-
-    out = gpt_data["dir"] / "gpt2"
-    out.mkdir()
-    texts = [json.loads(line)["text"] for line in open(gpt_data["dir"] / "corpus.jsonl")]
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(texts, vocab_size=1000, min_frequency=2,
-                            special_tokens=["<|endoftext|>"], show_progress=False)
-    bpe.save_model(str(out))
-    files = {"vocab_file": str(out / "vocab.json"), "merge_file": str(out / "merges.txt")}
-    run_tool("tools/preprocess_data.py", "--input", gpt_data["dir"] / "corpus.jsonl",
-             "--json-keys", "text", "--output-prefix", out / "corpus", "--vocab-file",
-             files["vocab_file"], "--merge-file", files["merge_file"], "--append-eod",
-             "--workers", 1)
-    return {**files, "prefix": str(out / "corpus_text_document")}
-
-
-@pytest.fixture(scope="session")
-def bert_data(gpt_data):
-    """The GPT tests' corpus and tokenizer, one sequence per sentence."""
-    out = gpt_data["dir"]
-    run_tool("tools/preprocess_data.py", "--input", out / "corpus.jsonl", "--json-keys", "text",
-             "--output-prefix", out / "bert", "--tokenizer-type", "SentencePieceTokenizer",
-             "--tokenizer-model", gpt_data["tokenizer"], "--split-sentences", "--workers", 1)
-    return {**gpt_data, "prefix": str(out / "bert_text_sentence")}
 
 
 def load_module(path, name):

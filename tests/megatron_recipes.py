@@ -113,6 +113,14 @@ MOE_README_MIXTRAL = Recipe(
             "--auto-detect-ckpt-format"],
     })
 
+# examples/mixtral/README.md: a Hugging Face Mixtral converted for training
+MIXTRAL_CONVERT = [
+    "--model-type", "GPT", "--loader", "loader_mixtral_hf", "--saver", "mcore",
+    "--target-tensor-parallel-size", "$TARGET_TP_SIZE", "--target-pipeline-parallel-size",
+    "$TARGET_PP_SIZE", "--target-expert-parallel-size", "$TARGET_EP_SIZE", "--load-dir",
+    "$HF_FORMAT_DIR", "--save-dir", "$MEGATRON_FORMAT_DIR", "--tokenizer-model",
+    "$TOKENIZER_MODEL"]
+
 # the flag lists of the MoE README's "General Performance Tips" (written there as a block)
 MOE_README_TIPS = [
     "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep",
@@ -129,6 +137,12 @@ def words(recipe: Recipe) -> list:
 
 def flags(argv: list) -> list:
     return [word for word in argv if word.startswith("--")]
+
+
+def with_variables(words: list, variables: dict) -> list:
+    for name, value in variables.items():
+        words = [word.replace(f"${name}", str(value)) for word in words]
+    return words
 
 
 def argv(recipe: Recipe, values: dict, variables: dict) -> list:
@@ -148,7 +162,6 @@ def argv(recipe: Recipe, values: dict, variables: dict) -> list:
             out.extend(str(v) for v in new)
             while i < len(published) and not published[i].startswith("--"):
                 i += 1  # the published value(s), replaced
-    for name, value in variables.items():
-        out = [word.replace(f"${name}", str(value)) for word in out]
+    out = with_variables(out, variables)
     assert flags(out) == flags(published)
     return out

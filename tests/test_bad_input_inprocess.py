@@ -13,121 +13,11 @@ import subprocess
 
 import pytest
 
-import parm_trainer.compat.cpu
-import parm_trainer.parallel
-import parm_trainer.training.initialize as initialize
-from conftest import ROOT, load_module as _load
-from parm_trainer import lazy_imports
-from parm_trainer.training import watchdog
-
-
-class ReachedCommunication(AssertionError):
-    """The input got past every check: nothing refused it."""
-
-
-@pytest.fixture
-def entry(monkeypatch):
-    """main(argv) of an entry point, as one rank of a job of WORLD_SIZE ranks would run it."""
-    def reached(*args, **kwargs):
-        raise ReachedCommunication("the input was not refused before the process groups")
-
-    def exit_now(status):  # user_errors ends the rank with os._exit(1)
-        raise SystemExit(status)
-
-    monkeypatch.setattr(parm_trainer.compat.cpu, "apply", lambda: None)
-    monkeypatch.setattr(parm_trainer.parallel, "initialize_distributed", reached)
-    monkeypatch.setattr(initialize, "initialize_distributed", reached)
-    monkeypatch.setattr(watchdog, "stop_helpers", lambda: None)
-    monkeypatch.setattr(os, "_exit", exit_now)
-    # importing an entry script would hide wandb from the rest of this pytest process
-    monkeypatch.setattr(lazy_imports, "skip_wandb_unless_asked", lambda argv: None)
-    for name in ("RANK", "PARM_FAULT"):
-        monkeypatch.delenv(name, raising=False)
-
-    def load(path, world_size=1):
-        monkeypatch.setenv("WORLD_SIZE", str(world_size))
-        if path == "tools/generate.py":
-            from parm_trainer.generation import main
-            return main
-        return _load(path, path.replace("/", "_").removesuffix(".py")).main
-    return load
-
-
-def assert_refused(main, argv, capsys, status, *needles):
-    """main(argv) ends with `status` and one line saying `error`, naming every needle."""
-    with pytest.raises(SystemExit) as ended:
-        result = main([str(a) for a in argv])
-        raise SystemExit(result)  # convert.py returns its status
-    code, stderr = ended.value.code, capsys.readouterr().err
-    if isinstance(code, str):  # sys.exit("error: ..."): Python prints it, the status is 1
-        code, stderr = 1, stderr + code + "\n"
-    assert code == status, stderr[-3000:]
-    lines = [line for line in stderr.splitlines() if line.startswith("error")
-             or ": error: " in line]  # argparse: "PROG: error: ..."
-    assert len(lines) == 1, stderr[-3000:]
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    assert "Traceback" not in stderr, stderr[-3000:]
-
-
-@pytest.fixture(scope="module")
-def junk(tmp_path_factory):
-    """Files that are not what their flag wants."""
-    root = tmp_path_factory.mktemp("junk")
-    (root / "garbage.model").write_text("not a sentencepiece model\n")
-    (root / "not_json.json").write_text("{not json")
-    (root / "blank.jsonl").write_text("\n  \n\n")
-    (root / "binary.jsonl").write_bytes(b'{"text": "\xc8\xff\xfe"}\n')
-    (root / "one.jsonl").write_text(json.dumps({"text": "One short document."}) + "\n")
-    tracker = root / "bad_tracker"
-    tracker.mkdir()
-    (tracker / "latest_checkpointed_iteration.txt").write_text("not-a-number")
-    for name, model, args in (("bert_ckpt", "bert", {}), ("no_tokenizer_ckpt", "gpt", {}),
-                              ("no_vocab_ckpt", "gpt", {"tokenizer_type": "GPT2BPETokenizer"})):
-        (root / name / "iter_0000002").mkdir(parents=True)
-        (root / name / "latest_checkpointed_iteration.txt").write_text("2")
-        (root / name / "iter_0000002" / "run.json").write_text(
-            json.dumps({"model": model, "args": args}))
-    # GPT-2 BPE files: a vocabulary without <|endoftext|>, one whose tokens do not hold the
-    # join of the merge "a b"
-    (root / "vocab_no_eod.json").write_text(json.dumps({"a": 0, "b": 1, "ab": 2}))
-    (root / "vocab.json").write_text(json.dumps({"a": 0, "b": 1, "<|endoftext|>": 2}))
-    (root / "merges.txt").write_text("#version: 0.2\na b\n")
-    return root
-
-
-def pretrain_argv(data, *flags):
-    return ["--data-path", data["prefix"], "--tokenizer-model", data["tokenizer"],
-            "--disable-bias-linear", "--num-experts", "4", "--num-layers", "2",
-            "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-            "--moe-parm-schedule", "s1", "--moe-parm-chunks", "1", *flags]
-
+from bad_input_fixtures import assert_refused, pretrain_argv
+from conftest import ROOT
 
 # (id, world size, flags, exit status, key words of the one error line)
 PRETRAIN_CASES = [
-    # Megatron-LM flags this stack has no such thing for (arguments/megatron_only.py)
-    ("megatron_fp8", 1, ["--fp8", "hybrid"], 1,
-     ["--fp8 hybrid is not supported here: FP8 needs Transformer Engine"]),
-    ("megatron_context_parallel", 1, ["--context-parallel-size", "2"], 1,
-     ["--context-parallel-size 2 is not supported here: no context parallelism"]),
-    ("megatron_flex_dispatcher", 1, ["--moe-token-dispatcher-type", "flex"], 1,
-     ["--moe-token-dispatcher-type flex is not supported here: use --moe-parm-schedule auto"]),
-    ("megatron_recompute", 1, ["--recompute-granularity", "full"], 1,
-     ["--recompute-granularity full is not supported here: no activation recomputation yet"]),
-    ("megatron_ckpt_format", 1, ["--ckpt-format", "torch"], 1,
-     ["--ckpt-format torch is not supported here: checkpoints are megatron-core's torch_dist"]),
-    ("overlap_param_gather_alone", 2, ["--overlap-param-gather", "--overlap-grad-reduce"], 1,
-     ["--overlap-param-gather needs --use-distributed-optimizer"]),
-    ("overlap_param_gather_no_grad_reduce", 2, ["--overlap-param-gather",
-                                                "--use-distributed-optimizer"], 1,
-     ["--overlap-param-gather needs --overlap-grad-reduce"]),
-    ("no_position_embedding_learned", 1, ["--no-position-embedding"], 1,
-     ["--no-position-embedding is deprecated in Megatron-LM and valid only with "
-      "--position-embedding-type rope"]),
-    ("mock_data_and_data_path", 1, ["--mock-data"], 1,
-     ["--mock-data trains on synthetic data: leave out --data-path"]),
-    ("checkpoint_args_unreadable", 1, ["--use-checkpoint-args", "--load", "{junk}/bad_tracker"],
-     1, ["latest_checkpointed_iteration.txt should hold an iteration number"]),
     ("global_batch_vs_micro_x_dp", 2, ["--micro-batch-size", "4", "--global-batch-size", "6"], 1,
      ["--global-batch-size 6 is not divisible by --micro-batch-size 4 x data-parallel size 2"]),
     ("heads_vs_tp", 2, ["--tensor-model-parallel-size", "2", "--num-attention-heads", "3",
@@ -212,27 +102,6 @@ PRETRAIN_CASES = [
       "for GPT-2 BPE give --vocab-file and --merge-file"]),
     ("tokenizer_model_a_directory", 1, ["--tokenizer-model", "{junk}"], 1,
      ["--tokenizer-model {junk} is not a file"]),
-    ("gpt2_without_merge_file", 1, ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
-                                    "{junk}/vocab.json"], 1,
-     ["--merge-file is required with --tokenizer-type GPT2BPETokenizer"]),
-    ("gpt2_vocab_file_missing", 1, ["--vocab-file", "{junk}/nothing.json", "--merge-file",
-                                    "{junk}/merges.txt"], 1,
-     ["--vocab-file {junk}/nothing.json: no such file"]),
-    ("gpt2_vocab_not_json", 1, ["--vocab-file", "{junk}/not_json.json", "--merge-file",
-                                "{junk}/merges.txt"], 1,
-     ["--vocab-file {junk}/not_json.json is not a GPT-2 BPE vocabulary (JSON of token: id)"]),
-    ("gpt2_vocab_without_eod", 1, ["--vocab-file", "{junk}/vocab_no_eod.json", "--merge-file",
-                                   "{junk}/merges.txt"], 1,
-     ["--vocab-file {junk}/vocab_no_eod.json has no <|endoftext|> token"]),
-    ("gpt2_merge_outside_vocab", 1, ["--vocab-file", "{junk}/vocab.json", "--merge-file",
-                                     "{junk}/merges.txt"], 1,
-     ["--merge-file {junk}/merges.txt line 2 joins 'a' and 'b', which --vocab-file "
-      "{junk}/vocab.json does not hold with their join"]),
-    ("null_without_vocab_size", 1, ["--tokenizer-type", "NullTokenizer"], 1,
-     ["--vocab-size is required with --tokenizer-type NullTokenizer"]),
-    ("llama2_on_garbage", 1, ["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model",
-                              "{junk}/garbage.model"], 1,
-     ["--tokenizer-model {junk}/garbage.model is not a SentencePiece model"]),
     ("load_is_a_file", 1, ["--load", "{junk}/garbage.model"], 1,
      ["--load {junk}/garbage.model is not a directory"]),
     ("save_is_a_file", 1, ["--save", "{junk}/garbage.model"], 1,
@@ -249,18 +118,6 @@ PRETRAIN_CASES = [
      ["--moe-grouped-gemm with --transformer-impl local runs megatron-core's GroupedMLP, "
       "which needs --bf16"]),
     # mixed precision: Megatron-LM's validate_args, megatron-core's grad scalers
-    ("fp16_with_bf16", 1, ["--fp16", "--bf16"], 1,
-     ["--fp16 and --bf16 exclude each other: choose one"]),
-    ("min_loss_scale_over_initial", 1, ["--fp16", "--initial-loss-scale", "4",
-                                        "--min-loss-scale", "8"], 1,
-     ["--min-loss-scale 8 must not exceed --initial-loss-scale 4"]),
-    ("fractional_loss_scale_window", 1, ["--fp16", "--loss-scale-window", "1.5"], 1,
-     ["--loss-scale-window 1.5 must be a whole number of iterations"]),
-    ("negative_loss_scale", 1, ["--fp16", "--loss-scale", "-1"], 1,
-     ["--loss-scale must not be negative, got -1.0"]),
-    ("grouped_gemm_fp16", 1, ["--fp16", "--moe-grouped-gemm"], 1,
-     ["--moe-grouped-gemm with --transformer-impl local runs megatron-core's GroupedMLP, "
-      "which needs --bf16"]),
     ("cost_profile_missing", 1, ["--moe-parm-schedule", "auto", "--moe-parm-cost-profile",
                                  "{junk}/nothing.json"], 1,
      ["--moe-parm-cost-profile {junk}/nothing.json: no such file"]),
@@ -291,40 +148,6 @@ PRETRAIN_CASES = [
     ("unknown_score_function", 1, ["--moe-router-score-function", "relu"], 2,
      ["argument --moe-router-score-function: invalid choice: 'relu'"]),
     # training schedules: iteration- or sample-based, warmups, the batch-size ramp-up
-    ("train_iters_and_samples", 1, ["--train-iters", "10", "--train-samples", "100"], 1,
-     ["--train-iters and --train-samples exclude each other"]),
-    ("decay_samples_with_iters", 1, ["--train-iters", "10", "--lr-decay-samples", "100"], 1,
-     ["--lr-decay-samples needs sample-based training (--train-samples); this run counts "
-      "iterations (--train-iters)"]),
-    ("decay_iters_with_samples", 1, ["--train-samples", "100", "--lr-decay-iters", "10"], 1,
-     ["--lr-decay-iters needs iteration-based training (--train-iters); this run counts "
-      "samples (--train-samples)"]),
-    ("warmup_fraction_and_iters", 1, ["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"],
-     1, ["--lr-warmup-fraction and --lr-warmup-iters exclude each other"]),
-    ("warmup_samples_over_decay", 1, ["--train-samples", "100", "--lr-warmup-samples", "100"],
-     1, ["--lr-warmup-samples 100 must be smaller than --lr-decay-samples 100 (default "
-         "--train-samples)"]),
-    ("warmup_init_over_lr", 1, ["--lr", "1e-4", "--lr-warmup-init", "1e-3"], 1,
-     ["--lr-warmup-init 0.001 must not exceed --lr 0.0001"]),
-    ("train_samples_under_a_batch", 1, ["--train-samples", "7", "--global-batch-size", "8"], 1,
-     ["--train-samples 7 is less than one global batch (--global-batch-size 8)"]),
-    ("rampup_start_not_below_global", 1, ["--train-samples", "100", "--global-batch-size", "8",
-                                          "--rampup-batch-size", "8", "2", "50"], 1,
-     ["--rampup-batch-size starts at 8, which must be smaller than --global-batch-size 8"]),
-    ("rampup_increment_vs_span", 1, ["--train-samples", "100", "--global-batch-size", "8",
-                                     "--rampup-batch-size", "2", "4", "50"], 1,
-     ["--rampup-batch-size increment 4 does not divide --global-batch-size 8 - start 2 = 6"]),
-    ("rampup_start_vs_micro_x_dp", 2, ["--train-samples", "100", "--global-batch-size", "16",
-                                       "--rampup-batch-size", "2", "2", "50"], 1,
-     ["--rampup-batch-size start 2 is not divisible by --micro-batch-size 2 x data-parallel "
-      "size 2"]),
-    ("rampup_interleaved_micro_batches", 2,
-     ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
-      "--num-virtual-stages-per-pipeline-rank", "2", "--micro-batch-size", "1",
-      "--global-batch-size", "8", "--train-samples", "100", "--rampup-batch-size", "2", "1",
-      "20"], 1,
-     ["the interleaved schedule needs the micro-batches of every iteration to be a multiple of "
-      "--pipeline-model-parallel-size 2: --rampup-batch-size increment 1 is 1"]),
 ]
 
 

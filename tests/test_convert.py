@@ -21,6 +21,7 @@ import pytest
 import sentencepiece
 import torch
 
+import megatron_recipes as recipes
 from conftest import ROOT, free_port, launch, max_relative, python, tiny_gpt_args, torchrun
 
 with warnings.catch_warnings():
@@ -121,10 +122,13 @@ def test_mixtral_round_trip_and_training(gpt_data, tmp_path):
                            max_position_embeddings=64, rope_theta=10000.0)
     torch.manual_seed(0)
     MixtralForCausalLM(config).save_pretrained(tmp_path / "original")
-    imported = convert("--loader", "hf", "--saver", "parm", "--load-dir", tmp_path / "original",
-                       "--save-dir", tmp_path / "imported", "--tokenizer-model",
-                       gpt_data["tokenizer"])
+    # as examples/mixtral/README.md of Megatron-LM converts it (its flag names)
+    imported = convert(*recipes.with_variables(recipes.MIXTRAL_CONVERT, {
+        "TARGET_TP_SIZE": 1, "TARGET_PP_SIZE": 4, "TARGET_EP_SIZE": 8,
+        "HF_FORMAT_DIR": tmp_path / "original", "MEGATRON_FORMAT_DIR": tmp_path / "imported",
+        "TOKENIZER_MODEL": gpt_data["tokenizer"]}))
     assert imported.returncode == 0, imported.stderr[-3000:]
+    assert "parallel-size: no effect here" in imported.stdout
     result = convert("--loader", "parm", "--saver", "hf", "--load-dir", tmp_path / "imported",
                      "--save-dir", tmp_path / "back")
     assert result.returncode == 0, result.stderr[-3000:]

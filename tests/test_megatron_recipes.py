@@ -129,6 +129,20 @@ def test_mixtral_recipe_trains(nproc, gpt_data, tmp_path):
         assert line in run.output, line
     assert (tmp_path / "ckpt" / "iter_0000004").is_dir()
     assert list((tmp_path / "ckpt" / "tensorboard").iterdir())
+    if nproc == 2:  # the model again from the checkpoint's flags alone (a strict load)
+        resumed = launch(2, ["--load", tmp_path / "ckpt", "--use-checkpoint-args", "--bf16",
+                             "--use-distributed-optimizer", "--expert-model-parallel-size", "2",
+                             "--data-path", gpt_data["prefix"], "--split", "90,5,5",
+                             "--micro-batch-size", "1", "--global-batch-size", "8",
+                             "--train-iters", "6", "--eval-iters", "0"], tmp_path)
+        assert resumed.returncode == 0, resumed.output[-4000:]
+        took = re.search(r"--use-checkpoint-args: from .*", resumed.output).group()
+        for value in ("num_layers 4", "hidden_size 64", "num_query_groups 2", "swiglu True",
+                      "normalization RMSNorm", "num_experts 8", "moe_grouped_gemm True",
+                      "tokenizer_type Llama2Tokenizer", "tokenizer_model "):
+            assert value in took, (value, took)
+        assert f"resumed from {tmp_path / 'ckpt'} at iteration 4" in resumed.output
+        assert [row["iteration"] for row in resumed.losses] == [5, 6]
 
 
 def saved_weights(iteration_dir) -> dict:

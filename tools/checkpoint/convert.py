@@ -20,13 +20,27 @@ import sys
 import warnings
 
 
+LOADERS = {"hf": "hf", "mixtral_hf": "hf", "loader_mixtral_hf": "hf", "parm": "parm",
+           "mcore": "parm", "loader_mcore": "parm"}
+SAVERS = {"parm": "parm", "mcore": "parm", "saver_mcore": "parm", "hf": "hf"}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--model-type", choices=["GPT", "BERT"], default=None,
                         help="Read from the checkpoint (run.json) or config.json; accepted "
                              "for Megatron-LM's command lines.")
-    parser.add_argument("--loader", choices=["parm", "hf"], required=True)
-    parser.add_argument("--saver", choices=["parm", "hf"], required=True)
+    # Megatron-LM's names beside ours: examples/mixtral converts with
+    # --loader loader_mixtral_hf --saver mcore --target-*-parallel-size
+    parser.add_argument("--loader", choices=[*LOADERS], required=True,
+                        help="hf (Megatron-LM: mixtral_hf, loader_mixtral_hf) or parm "
+                             "(Megatron-LM: mcore).")
+    parser.add_argument("--saver", choices=[*SAVERS], required=True,
+                        help="parm (Megatron-LM: mcore, saver_mcore) or hf.")
+    for flag in ("--target-tensor-parallel-size", "--target-pipeline-parallel-size",
+                 "--target-expert-parallel-size"):
+        parser.add_argument(flag, type=int, default=None,
+                            help="No effect here (a checkpoint loads under any layout).")
     parser.add_argument("--load-dir", required=True,
                         help="parm: the --save directory of a run; hf: a model directory.")
     parser.add_argument("--save-dir", required=True, help="Written whole; must not exist.")
@@ -34,6 +48,12 @@ def main(argv=None) -> int:
                         help="hf loader: the SentencePiece model, if the directory has no "
                              "tokenizer.model.")
     args = parser.parse_args(argv)
+    args.loader, args.saver = LOADERS[args.loader], SAVERS[args.saver]
+    targets = [flag for flag in ("tensor", "pipeline", "expert")
+               if getattr(args, f"target_{flag}_parallel_size") is not None]
+    if targets:
+        print(f"--target-{'/'.join(targets)}-parallel-size: no effect here; every tensor is saved "
+              f"in its layout-free global shape and loads under any layout")
     warnings.filterwarnings("ignore")
     from parm_trainer.convert.hf import ConvertError, export_to_hf, import_from_hf
     from parm_trainer.convert.hf_tokenizer import TokenizerNotExportable

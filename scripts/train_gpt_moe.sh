@@ -62,9 +62,11 @@ if [ "${OVERLAP_GRAD_REDUCE:-1}" = 1 ]; then TRAINING_ARGS+=(--overlap-grad-redu
 if [ "${OVERLAP_MOE_COMM:-1}" = 1 ]; then
     TRAINING_ARGS+=(--overlap-moe-expert-parallel-comm)
 fi
+# no --tokenizer-type: SentencePiece from TOKENIZER_MODEL, unless --vocab-file and --merge-file
+# are appended (GPT-2 BPE, as Megatron-LM's GPT-3 recipe) or another type is
 DATA_ARGS=(
     --data-path $DATA_PATH --split "${SPLIT:-969,30,1}"
-    --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER_MODEL"
+    --tokenizer-model "$TOKENIZER_MODEL"
     --data-cache-path "$RUN_DIR/data_cache"
 )
 OUTPUT_ARGS=(

@@ -129,13 +129,23 @@ def test_mixtral_recipe_trains(nproc, gpt_data, tmp_path):
         assert line in run.output, line
     assert (tmp_path / "ckpt" / "iter_0000004").is_dir()
     assert list((tmp_path / "ckpt" / "tensorboard").iterdir())
-    if nproc == 2:  # the model again from the checkpoint's flags alone (a strict load)
+    if nproc == 2:  # the model again from the checkpoint's flags alone (a strict load), on
+        # mock data, saved without optimizer and RNG, throughput logged, the collector manual
         resumed = launch(2, ["--load", tmp_path / "ckpt", "--use-checkpoint-args", "--bf16",
                              "--use-distributed-optimizer", "--expert-model-parallel-size", "2",
-                             "--data-path", gpt_data["prefix"], "--split", "90,5,5",
-                             "--micro-batch-size", "1", "--global-batch-size", "8",
-                             "--train-iters", "6", "--eval-iters", "0"], tmp_path)
+                             "--mock-data", "--micro-batch-size", "1", "--global-batch-size",
+                             "8", "--train-iters", "6", "--eval-iters", "0", "--save",
+                             tmp_path / "again", "--no-save-optim", "--no-save-rng",
+                             "--log-throughput", "--log-interval", "1", "--manual-gc",
+                             "--manual-gc-interval", "1"],
+                         tmp_path)
         assert resumed.returncode == 0, resumed.output[-4000:]
+        assert resumed.output.count("throughput per GPU (TFLOP/s/GPU): ") == 2
+        saved = saved_keys(tmp_path / "again" / "iter_0000006")
+        assert any(key.startswith("decoder") for key in saved)
+        assert not any(key.startswith(("chained_", "rng_state")) for key in saved), saved
+        assert any(key.startswith("chained_") for key in saved_keys(tmp_path / "ckpt" /
+                                                                     "iter_0000004"))
         took = re.search(r"--use-checkpoint-args: from .*", resumed.output).group()
         for value in ("num_layers 4", "hidden_size 64", "num_query_groups 2", "swiglu True",
                       "normalization RMSNorm", "num_experts 8", "moe_grouped_gemm True",
@@ -143,6 +153,13 @@ def test_mixtral_recipe_trains(nproc, gpt_data, tmp_path):
             assert value in took, (value, took)
         assert f"resumed from {tmp_path / 'ckpt'} at iteration 4" in resumed.output
         assert [row["iteration"] for row in resumed.losses] == [5, 6]
+
+
+def saved_keys(iteration_dir) -> list:
+    """The names a checkpoint directory holds (model, optimizer "chained_*", "rng_state")."""
+    import torch.distributed.checkpoint as dcp
+
+    return list(dcp.FileSystemReader(str(iteration_dir)).read_metadata().state_dict_metadata)
 
 
 def saved_weights(iteration_dir) -> dict:
@@ -250,3 +267,28 @@ def test_readme_lists_every_megatron_only_flag_with_its_effect():
         where = ("- accepted at this stack's own value only, other values refused" if row.fine
                  else "- no effect (logged once)" if row.effect == "none" else "- refused")
         assert f"`{row.flag}" in lists[where], (row.flag, where)
+
+
+def test_manual_gc_collects_at_the_interval_and_around_evaluations(monkeypatch):
+    import gc
+
+    from parm_trainer.training import manual_gc
+
+    collected = []
+    monkeypatch.setattr(gc, "collect", lambda generation=2: collected.append(generation))
+    args = parse_args(["--manual-gc", "--manual-gc-interval", "3"])
+    try:
+        manual_gc.start(args)
+        assert not gc.isenabled() and collected == [2]
+        for iteration in range(1, 7):
+            manual_gc.after_iteration(args, iteration)
+        assert collected == [2, 2, 2]  # at start-up, after iterations 3 and 6
+        with manual_gc.around_evaluation(args):
+            pass
+        assert collected == [2, 2, 2, 2, 0]  # before (all) and after (the young) as Megatron-LM
+        with manual_gc.around_evaluation(parse_args(["--manual-gc", "--no-manual-gc-eval"])):
+            pass
+        assert len(collected) == 5
+    finally:
+        manual_gc.end(args)
+    assert gc.isenabled()

@@ -48,10 +48,16 @@ PARALLEL_ARGS=(
     --expert-tensor-parallel-size "$ETP" --pipeline-model-parallel-size "$PP"
 )
 if [ "$TP" -gt 1 ]; then PARALLEL_ARGS+=(--sequence-parallel); fi
+# TRAIN_SAMPLES: train for that many samples (Megatron-LM's sample-based schedule, warmup over
+# WARMUP_FRACTION of it) instead of TRAIN_ITERS iterations with WARMUP iterations of warmup
+if [ -n "${TRAIN_SAMPLES:-}" ]; then
+    LENGTH_ARGS=(--train-samples "$TRAIN_SAMPLES" --lr-warmup-fraction "${WARMUP_FRACTION:-0.1}")
+else
+    LENGTH_ARGS=(--train-iters "${TRAIN_ITERS:-300}" --lr-warmup-iters "${WARMUP:-30}")
+fi
 TRAINING_ARGS=(
-    --micro-batch-size "${MBS:-4}" --global-batch-size "${GBS:-16}"
-    --train-iters "${TRAIN_ITERS:-300}" --lr "${LR:-1.5e-3}" --min-lr "${MIN_LR:-1.5e-4}"
-    --lr-warmup-iters "${WARMUP:-30}" --lr-decay-style cosine --clip-grad 1.0
+    --micro-batch-size "${MBS:-4}" --global-batch-size "${GBS:-16}" "${LENGTH_ARGS[@]}"
+    --lr "${LR:-1.5e-3}" --min-lr "${MIN_LR:-1.5e-4}" --lr-decay-style cosine --clip-grad 1.0
     --weight-decay 0.1 --seed "${SEED:-1234}"
 )
 # data-parallel gradients reduced during the backward (as Megatron-LM's example recipes do);

@@ -292,3 +292,19 @@ def test_manual_gc_collects_at_the_interval_and_around_evaluations(monkeypatch):
     finally:
         manual_gc.end(args)
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize("env,length", [({}, ("train_iters", 300)),
+                                        ({"TRAIN_SAMPLES": "640"}, ("train_samples", 640))])
+def test_train_script_takes_iterations_or_samples(env, length):
+    """scripts/train_gpt_moe.sh: TRAIN_SAMPLES trains a sample-based schedule (its flags are
+    accepted together), else TRAIN_ITERS iterations; the arguments it would launch, parsed."""
+    import os
+    import subprocess
+
+    printed = subprocess.run(["bash", "scripts/train_gpt_moe.sh"], capture_output=True, text=True,
+                             env={**os.environ, "PYTHON": "echo", **env}, timeout=60, check=True)
+    words = printed.stdout.split()
+    args = parse_args(words[words.index("pretrain_gpt_moe.py") + 1:], world_size=4)
+    assert getattr(args, length[0]) == length[1]
+    assert (args.lr_warmup_fraction is not None) == ("TRAIN_SAMPLES" in env)

@@ -92,9 +92,9 @@ def _checkpoint_tokenizer(args, saved: dict, path: str, load_dir: str, argv: lis
     for dest in TOKENIZER_FILE_FLAGS.get(args.tokenizer_type, ()):
         if _given(dest, argv):
             continue
-        copy = files.TOKENIZER_FILES[dest]
+        copy = files.tokenizer_copy(args.tokenizer_type, dest)
         setattr(args, dest, os.path.join(path, copy))
-        if not os.path.isfile(getattr(args, dest)):
+        if not os.path.exists(getattr(args, dest)):
             raise files.CheckpointError(f"--load-dir {load_dir}: no {copy} in {path}; give "
                                         f"--{dest.replace('_', '-')}")
     check_tokenizer_flags(args)

@@ -12,6 +12,13 @@ from bad_input_fixtures import assert_refused, pretrain_argv
 
 # (id, world size, flags, exit status, key words of the one error line)
 RECIPE_FLAG_CASES = [
+    # HuggingFaceTokenizer: a directory saved by transformers (parm_trainer/data/hf_tokenizer.py)
+    ("hf_tokenizer_not_a_directory", 1, ["--tokenizer-type", "HuggingFaceTokenizer",
+                                         "--tokenizer-model", "{junk}/garbage.model"], 1,
+     ["--tokenizer-model {junk}/garbage.model: not a directory (HuggingFaceTokenizer reads"]),
+    ("hf_tokenizer_without_its_files", 1, ["--tokenizer-type", "HuggingFaceTokenizer",
+                                           "--tokenizer-model", "{junk}/bad_tracker"], 1,
+     ["--tokenizer-model {junk}/bad_tracker holds no tokenizer.json nor tokenizer_config.json"]),
     # Megatron-LM flags this stack has no such thing for (arguments/megatron_only.py)
     ("megatron_fp8", 1, ["--fp8", "hybrid"], 1,
      ["--fp8 hybrid is not supported here: FP8 needs Transformer Engine"]),

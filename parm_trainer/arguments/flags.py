@@ -325,10 +325,13 @@ def add_tokenizer_flags(group) -> None:
     group.add_argument("--tokenizer-type", default=None,
                        help="SentencePieceTokenizer (--tokenizer-model), Llama2Tokenizer "
                             "(--tokenizer-model), GPT2BPETokenizer (--vocab-file, --merge-file) "
-                            "or NullTokenizer (--vocab-size). Default: GPT2BPETokenizer when "
+                            "NullTokenizer (--vocab-size) or HuggingFaceTokenizer "
+                            "(--tokenizer-model: a directory saved by transformers, with "
+                            "tokenizer.json). Default: GPT2BPETokenizer when "
                             "--vocab-file and --merge-file are given, else "
                             "SentencePieceTokenizer.")
-    group.add_argument("--tokenizer-model", default=None, help="Sentencepiece tokenizer model.")
+    group.add_argument("--tokenizer-model", default=None,
+                       help="Sentencepiece tokenizer model (HuggingFaceTokenizer: the directory).")
     group.add_argument("--vocab-file", default=None, help="Path to the vocab file.")
     group.add_argument("--merge-file", default=None, help="Path to the BPE merge file.")
     group.add_argument("--vocab-size", type=int, default=None,

@@ -15,35 +15,25 @@ Types and flags are Megatron-LM's (megatron/training/tokenizer/tokenizer.py):
     Llama2Tokenizer         --tokenizer-model  Megatron-LM's: bos before every text, eod = eos
     GPT2BPETokenizer        --vocab-file --merge-file  byte-level BPE, eod = <|endoftext|>
     NullTokenizer           --vocab-size  text is space-separated ids, eod = --vocab-size
+    HuggingFaceTokenizer    --tokenizer-model DIR  transformers' tokenizer saved in DIR
+                            (tokenizer.json), eod = its eos (hf_tokenizer.py)
 
 check_tokenizer_flags says, in one line, what a type lacks (a flag, a file that exists and is
 readable); build_tokenizer also says what a file holds that the type cannot read.
 """
 
 import json
-import logging
 import os
 
 import sentencepiece
 from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
+from parm_trainer.data.hf_tokenizer import HuggingFaceTokenizer, check_directory
+from parm_trainer.data.legacy import legacy_init as _legacy_init
 from parm_trainer.errors import InputError, TokenizerError
 
 BERT_SYMBOLS = ("[CLS]", "[SEP]", "[MASK]")
 RETRAIN_HINT = "retrain it with tools/train_tokenizer.py"
 GPT2_EOD = "<|endoftext|>"
-
-
-def _legacy_init(tokenizer, *paths, **options) -> None:
-    """MegatronLegacyTokenizer.__init__ (it records the paths for the datasets' cache keys)
-    without its deprecation notice pointing at megatron.core.tokenizers: the datasets still
-    accept this interface."""
-    base_logger = logging.getLogger(MegatronLegacyTokenizer.__module__)
-    previous_level = base_logger.level
-    base_logger.setLevel(logging.ERROR)
-    try:
-        MegatronLegacyTokenizer.__init__(tokenizer, *paths, **options)
-    finally:
-        base_logger.setLevel(previous_level)
 
 
 class SentencePieceTokenizer(MegatronLegacyTokenizer):
@@ -313,13 +303,15 @@ class NullTokenizer(MegatronLegacyTokenizer):
 TOKENIZERS = {"SentencePieceTokenizer": SentencePieceTokenizer,
               "Llama2Tokenizer": Llama2Tokenizer,
               "GPT2BPETokenizer": GPT2BPETokenizer,
-              "NullTokenizer": NullTokenizer}
+              "NullTokenizer": NullTokenizer,
+              "HuggingFaceTokenizer": HuggingFaceTokenizer}
 # The file flags (argparse dests) each type reads; a checkpoint carries copies of them
 # (training/checkpoint/files.py TOKENIZER_FILES names the copies).
 TOKENIZER_FILE_FLAGS = {"SentencePieceTokenizer": ("tokenizer_model",),
                         "Llama2Tokenizer": ("tokenizer_model",),
                         "GPT2BPETokenizer": ("vocab_file", "merge_file"),
-                        "NullTokenizer": ()}
+                        "NullTokenizer": (),
+                        "HuggingFaceTokenizer": ("tokenizer_model",)}  # a directory
 _TRAIN_HINTS = {"tokenizer_model": " (train one with tools/train_tokenizer.py; for GPT-2 BPE "
                                    "give --vocab-file and --merge-file)"}
 
@@ -352,6 +344,9 @@ def check_tokenizer_flags(args) -> None:
     if kind == "NullTokenizer" and getattr(args, "vocab_size", None) is None:
         raise InputError("--vocab-size is required with --tokenizer-type NullTokenizer (the "
                          "number of token ids before its eod)")
+    if kind == "HuggingFaceTokenizer":
+        check_directory(args.tokenizer_model)
+        return
     for dest in TOKENIZER_FILE_FLAGS[kind]:
         _check_file(dest, getattr(args, dest, None), kind)
 
@@ -364,6 +359,8 @@ def tokenizer_from_args(args):
         return NullTokenizer(args.vocab_size)
     if kind == "GPT2BPETokenizer":
         return GPT2BPETokenizer(args.vocab_file, args.merge_file)
+    if kind == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(args.tokenizer_model)
     try:
         return TOKENIZERS[kind](args.tokenizer_model)
     except (RuntimeError, OSError) as error:  # sentencepiece: "could not parse ModelProto"

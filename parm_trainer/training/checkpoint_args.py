@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 
 from parm_trainer.training.checkpoint.files import (TOKENIZER_FILES, CheckpointError,
-                                                    latest_dir, read_description, read_tracker)
+                                                    latest_dir, read_description, read_tracker,
+                                                    tokenizer_copy)
 
 UNLESS_GIVEN = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length",
                 "num_attention_heads", "kv_channels", "max_position_embeddings",
@@ -50,9 +51,9 @@ def apply(args, given: set) -> list:
             if getattr(args, name, None) != saved[name]:
                 changed.append(f"{name} {saved[name]}")
             setattr(args, name, saved[name])
-    for dest, name in TOKENIZER_FILES.items():  # the copies the saved tokenizer type left
-        copy = os.path.join(latest_dir(args.load), name)
-        if dest not in given and os.path.isfile(copy):
+    for dest in TOKENIZER_FILES:  # the copies the saved tokenizer type left
+        copy = os.path.join(latest_dir(args.load), tokenizer_copy(args.tokenizer_type, dest))
+        if dest not in given and os.path.exists(copy):
             setattr(args, dest, copy)
             changed.append(f"{dest} {copy}")
     return [f"--use-checkpoint-args: from {args.load}: "

@@ -21,6 +21,14 @@ TOKENIZER = "tokenizer.model"
 # each tokenizer file flag (its argparse dest) -> the name of its copy in a checkpoint
 TOKENIZER_FILES = {"tokenizer_model": TOKENIZER, "vocab_file": "vocab.json",
                    "merge_file": "merges.txt"}
+HF_TOKENIZER = "hf_tokenizer"  # HuggingFaceTokenizer's --tokenizer-model: a directory
+
+
+def tokenizer_copy(tokenizer_type, dest: str) -> str:
+    """The name, in a checkpoint directory, of the copy of a tokenizer file flag's file."""
+    if tokenizer_type == "HuggingFaceTokenizer" and dest == "tokenizer_model":
+        return HF_TOKENIZER
+    return TOKENIZER_FILES[dest]
 
 
 

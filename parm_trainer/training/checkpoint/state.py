@@ -17,7 +17,7 @@ from megatron.core.tensor_parallel import random as mrandom
 import parm_trainer
 from parm_trainer import parallel
 from parm_trainer.data.tokenizer import TOKENIZER_FILE_FLAGS
-from parm_trainer.training.checkpoint.files import DESCRIPTION, TOKENIZER_FILES
+from parm_trainer.training.checkpoint.files import DESCRIPTION, tokenizer_copy
 from parm_trainer.training.checkpoint.optimizer_state import step_for_empty_optimizers
 
 
@@ -119,10 +119,14 @@ def write_description(args, iteration: int, directory: str) -> None:
     with open(os.path.join(directory, DESCRIPTION), "w") as f:
         json.dump(describe_run(args, iteration), f, indent=1)
     # the files the run's tokenizer type reads, so tools/generate.py needs no tokenizer flag
-    for dest in TOKENIZER_FILE_FLAGS.get(getattr(args, "tokenizer_type", None), ()):
-        source = getattr(args, dest, None)
+    kind = getattr(args, "tokenizer_type", None)
+    for dest in TOKENIZER_FILE_FLAGS.get(kind, ()):
+        source, copy = getattr(args, dest, None), os.path.join(directory,
+                                                               tokenizer_copy(kind, dest))
         if source and os.path.isfile(source):
-            shutil.copyfile(source, os.path.join(directory, TOKENIZER_FILES[dest]))
+            shutil.copyfile(source, copy)
+        elif source and os.path.isdir(source) and hasattr(args.tokenizer, "save"):
+            args.tokenizer.save(copy)  # the tokenizer's files, not a model's weights beside
 
 
 def describe_error(error: BaseException) -> str:

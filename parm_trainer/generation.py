@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from parm_trainer.arguments import model_argument_names, parse_args
+from parm_trainer.arguments import given_flags, model_argument_names, parse_args
 from parm_trainer.parallel import rank_device
 from parm_trainer.training.checkpoint import files
 
@@ -63,9 +63,10 @@ def generation_args(argv=None):
                                                                 "hf_vocab_size"}:
         if name in saved:
             setattr(args, name, saved[name])
-    _checkpoint_tokenizer(args, saved, path, own.load_dir, rest)
+    given = given_flags(rest)
+    _checkpoint_tokenizer(args, saved, path, own.load_dir, given)
     args.sequence_parallel = False  # a prompt of any length
-    if "--moe-parm-schedule" not in rest:
+    if "moe_parm_schedule" not in given:
         args.moe_parm_schedule, args.moe_parm_chunks = "s1", 1
     return own, args
 
@@ -73,24 +74,19 @@ def generation_args(argv=None):
 TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
 
 
-def _given(dest: str, argv: list) -> bool:
-    flag = "--" + dest.replace("_", "-")
-    return any(word == flag or word.startswith(flag + "=") for word in argv)
-
-
-def _checkpoint_tokenizer(args, saved: dict, path: str, load_dir: str, argv: list) -> None:
+def _checkpoint_tokenizer(args, saved: dict, path: str, load_dir: str, given: set) -> None:
     """The checkpoint's tokenizer: its type and --vocab-size from run.json, its files from the
     copies beside it (training/checkpoint/files.py). A tokenizer flag on the command line wins,
     as does the type that --vocab-file with --merge-file imply there."""
     from parm_trainer.data.tokenizer import TOKENIZER_FILE_FLAGS, check_tokenizer_flags
 
-    implied = _given("vocab_file", argv) and _given("merge_file", argv)
+    implied = {"vocab_file", "merge_file"} <= given
     for dest in ("tokenizer_type", "vocab_size"):
-        if not (_given(dest, argv) or implied and dest == "tokenizer_type") and \
+        if not (dest in given or implied and dest == "tokenizer_type") and \
                 saved.get(dest) is not None:
             setattr(args, dest, saved[dest])
     for dest in TOKENIZER_FILE_FLAGS.get(args.tokenizer_type, ()):
-        if _given(dest, argv):
+        if dest in given:
             continue
         copy = files.tokenizer_copy(args.tokenizer_type, dest)
         setattr(args, dest, os.path.join(path, copy))

@@ -27,7 +27,7 @@ from parm_trainer.arguments.megatron_only import notes
 from parm_trainer.arguments.round_trip import command_line, model_argument_names
 from parm_trainer.errors import ArgumentsError
 
-__all__ = ["ArgumentsError", "add_bert_args", "build_parser", "command_line",
+__all__ = ["ArgumentsError", "add_bert_args", "build_parser", "command_line", "given_flags",
            "model_argument_names", "parse_args"]
 
 
@@ -37,7 +37,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, extra_args_provider=None,
     override(args, given) -> lines to log: changes the parsed values before the defaults that
     depend on them (given: the flags on the command line, as attribute names)."""
     args = build_parser(extra_args_provider).parse_args(argv)
-    overridden = override(args, _given(argv, extra_args_provider)) if override else []
+    overridden = override(args, given_flags(argv, extra_args_provider)) if override else []
     args.world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if args.ffn_hidden_size is None:  # `is None`: a 0 given is refused, not replaced
         args.ffn_hidden_size = 4 * args.hidden_size
@@ -70,7 +70,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, extra_args_provider=None,
     return args
 
 
-def _given(argv, extra_args_provider) -> set:
+def given_flags(argv, extra_args_provider=None) -> set:
     """The attribute names of the flags on the command line (a parser without defaults)."""
     parser = build_parser(extra_args_provider)
     for action in parser._actions:

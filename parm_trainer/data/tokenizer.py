@@ -142,7 +142,23 @@ class SentencePieceTokenizer(MegatronLegacyTokenizer):
         return self._bert_symbol("[MASK]")
 
 
-class Llama2Tokenizer(SentencePieceTokenizer):
+class _NoBertSymbols:
+    """cls, sep and mask of a tokenizer without BERT's symbols: -1, as Megatron-LM's."""
+
+    @property
+    def cls(self) -> int:
+        return -1
+
+    @property
+    def sep(self) -> int:
+        return -1
+
+    @property
+    def mask(self) -> int:
+        return -1
+
+
+class Llama2Tokenizer(_NoBertSymbols, SentencePieceTokenizer):
     """Megatron-LM's Llama2Tokenizer on a SentencePiece model: every text starts with bos (the
     default of its tokenize, for text completion), eod is eos, and it has no BERT symbols
     (cls, sep and mask are -1 there)."""
@@ -156,18 +172,6 @@ class Llama2Tokenizer(SentencePieceTokenizer):
     def tokenize(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         ids = self._sp.encode(text)
         return ([self.bos] if bos else []) + ids + ([self.eos] if eos else [])
-
-    @property
-    def cls(self) -> int:
-        return -1
-
-    @property
-    def sep(self) -> int:
-        return -1
-
-    @property
-    def mask(self) -> int:
-        return -1
 
 
 def _read_gpt2_vocab(vocab_file: str) -> dict:
@@ -253,7 +257,7 @@ class GPT2BPETokenizer(MegatronLegacyTokenizer):
         return self._vocab[GPT2_EOD]
 
 
-class NullTokenizer(MegatronLegacyTokenizer):
+class NullTokenizer(_NoBertSymbols, MegatronLegacyTokenizer):
     """Megatron-LM's NullTokenizer: a text is its token ids separated by single spaces, ids
     0..vocab_size-1 are the data's and vocab_size itself is eod (vocab_size + 1 ids in all)."""
 
@@ -286,18 +290,6 @@ class NullTokenizer(MegatronLegacyTokenizer):
     @property
     def eod(self) -> int:
         return self._size_without_eod
-
-    @property
-    def cls(self) -> int:
-        return -1
-
-    @property
-    def sep(self) -> int:
-        return -1
-
-    @property
-    def mask(self) -> int:
-        return -1
 
 
 TOKENIZERS = {"SentencePieceTokenizer": SentencePieceTokenizer,

@@ -36,6 +36,12 @@ def check(args) -> None:
                              "--position-embedding-type")
     if (precision := _precision_problem(args)) is not None:
         raise ArgumentsError(precision)
+    if args.qk_layernorm_across_heads and not args.qk_layernorm:
+        raise ArgumentsError("--qk-layernorm-across-heads needs --qk-layernorm (it says over "
+                             "what the query and key norms normalise)")
+    if args.qk_layernorm_across_heads and args.normalization != "RMSNorm":
+        raise ArgumentsError("--qk-layernorm-across-heads needs --normalization RMSNorm (its "
+                             "norm is an RMSNorm over all heads)")
     _check_backend(args)
     if (moe_problem := moe_flags.problem(args)) is not None:
         raise ArgumentsError(moe_problem)

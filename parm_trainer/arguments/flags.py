@@ -44,6 +44,18 @@ def _model_group(parser):
     g.add_argument("--swiglu", action="store_true", help="SwiGLU activation in MLPs.")
     g.add_argument("--disable-bias-linear", action="store_true",
                    help="No biases in linear layers (experts included).")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="A bias on the QKV projection only, also under --disable-bias-linear "
+                        "(Qwen2's attention).")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="Normalise each query and key head (its channels) with --normalization "
+                        "before RoPE, a weight per channel shared by the heads (Qwen3's "
+                        "q_norm/k_norm).")
+    g.add_argument("--qk-layernorm-across-heads", action="store_true",
+                   help="With --qk-layernorm and RMSNorm: normalise the whole query projection "
+                        "and the whole key projection instead, over all their heads, a weight "
+                        "per channel of each head (OLMoE's q_norm/k_norm); under tensor "
+                        "parallelism the mean of squares spans every rank's heads.")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="Separate input embedding and output layer weights.")
     g.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout after MLP/attention.")

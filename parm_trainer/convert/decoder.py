@@ -2,7 +2,7 @@
 
 The project's side is the state dict of its model built on one rank (TP = EP = PP = 1, so every
 tensor is whole): megatron-core's local layer names. The Hugging Face side is a Target
-(mixtral.py, qwen2_moe.py): the names of one class, in the per-expert form
+(mixtral.py, qwen2_moe.py, qwen3_moe.py, olmoe.py): the names of one class, in the per-expert form
 (`...experts.N.<projection>.weight`) that transformers 4.x loads as it is and 5.x converts on
 load (and writes itself in save_pretrained).
 
@@ -11,11 +11,16 @@ Two layouts differ:
   groups, its n/g query heads, then its key head, then its value head (d rows each); Hugging
   Face has separate q_proj, k_proj, v_proj with heads in order (query head j uses key/value
   head j // (n/g), which is the same grouping);
-- SwiGLU MLPs (experts and dense layers): megatron's fc1 is [gate; up] (the first half goes
-  through SiLU), Hugging Face has the gate and the up projection apart; fc2 is the down one.
-A Target may also have tensors the project's model does not (Qwen2-MoE's QKV biases and shared
-expert): they are written as zeros of the right shape, so the function is the same, and an
-import refuses them unless they are zero.
+  the QKV bias (--add-qkv-bias) is grouped the same way;
+- SwiGLU MLPs (experts, dense layers, the shared expert): megatron's fc1 is [gate; up] (the
+  first half goes through SiLU), Hugging Face has the gate and the up projection apart; fc2 is
+  the down one.
+The query/key norms (--qk-layernorm: q_norm, k_norm) and the shared expert's gate weight
+(megatron's sigmoid(x . gate_weight) times the shared expert's output, as Qwen2-MoE's
+shared_expert_gate) are the same tensors under other names. A Target may also have tensors
+the project's model does not (a Qwen2-MoE without a shared expert: one of width 0; the output
+projection's bias where a class has QKV biases only with it): they are written as zeros of
+the right shape, so the function is the same, and an import refuses them unless they are zero.
 """
 
 from __future__ import annotations
@@ -38,7 +43,12 @@ REQUIRED = {
     "position_embedding_type": ("rope", "--position-embedding-type rope"),
     "disable_bias_linear": (True, "--disable-bias-linear"),
 }
-CLASSES = "MixtralForCausalLM or Qwen2MoeForCausalLM"
+# megatron's router options no class here expresses: (flag, its default)
+ROUTER_DEFAULTS = (("moe_router_score_function", "softmax"),
+                   ("moe_router_enable_expert_bias", False),
+                   ("moe_router_topk_scaling_factor", None), ("moe_router_num_groups", None))
+CLASSES = ("MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM or "
+           "OlmoeForCausalLM")
 
 
 def check_exportable(args: dict) -> None:
@@ -48,8 +58,12 @@ def check_exportable(args: dict) -> None:
     for flag, (needed, fix) in REQUIRED.items():
         if args.get(flag) != needed:
             raise NotExportable(
-                f"--{flag.replace('_', '-')} is {args.get(flag)!r}: neither {CLASSES} can "
+                f"--{flag.replace('_', '-')} is {args.get(flag)!r}: no class ({CLASSES}) can "
                 f"express it; a model trained with {fix} exports")
+    for flag, default in ROUTER_DEFAULTS:
+        if args.get(flag, default) != default:
+            raise NotExportable(f"--{flag.replace('_', '-')} {args[flag]!r}: the routers of "
+                                f"{CLASSES} have the softmax score, no bias, scale or groups")
 
 
 def heads(args: dict) -> tuple:
@@ -86,6 +100,9 @@ def rope_theta(config: dict) -> int:
 
 def common_flags(config: dict, experts: int, expert_ffn: int) -> dict:
     """The model arguments every imported decoder shares (attribute names)."""
+    if config.get("hidden_act", "silu") != "silu":
+        raise NotExportable(f"hidden_act {config['hidden_act']!r}: the project's SwiGLU is "
+                            f"SiLU's (--swiglu); only silu imports")
     count = config["num_attention_heads"]
     groups = config.get("num_key_value_heads") or count
     return {
@@ -103,6 +120,27 @@ def common_flags(config: dict, experts: int, expert_ffn: int) -> dict:
     }
 
 
+def experts_of(config: dict) -> int:
+    """The experts per MoE layer (num_experts, or num_local_experts as 5.x writes some)."""
+    return config.get("num_experts") or config["num_local_experts"]
+
+
+def router_flags(config: dict) -> dict:
+    """--moe-router-pre-softmax of norm_topk_prob (softmax over all experts, the top k's
+    probabilities renormalised or not; megatron's default router is the renormalised one)."""
+    pre_softmax = not config.get("norm_topk_prob", False)
+    if config["num_experts_per_tok"] == 1 and not pre_softmax:
+        raise NotExportable("num_experts_per_tok 1 with norm_topk_prob true (every routing "
+                            "weight 1): the project's top-1 router is the pre-softmax one")
+    return {"moe_router_pre_softmax": pre_softmax}
+
+
+def no_sliding_window(config: dict) -> None:
+    if config.get("use_sliding_window"):
+        raise NotExportable("use_sliding_window true: attention over a window is not "
+                            "supported; only full causal attention imports")
+
+
 @dataclass(frozen=True)
 class Shape:
     h: int
@@ -114,6 +152,10 @@ class Shape:
     dense_ffn: int  # a dense layer's
     tied: bool
     moe: tuple  # per layer: is it an MoE layer
+    qkv_bias: bool = False
+    qk_norm: bool = False  # per head (--qk-layernorm) or over all heads: the same names
+    shared: int = 0  # the shared expert's width (0: none)
+    shared_gate: bool = False
 
     @property
     def layers(self) -> int:
@@ -125,7 +167,10 @@ def shape_of_args(args: dict) -> Shape:
     return Shape(args["hidden_size"], *heads(args), args["num_experts"],
                  args["moe_ffn_hidden_size"], args.get("ffn_hidden_size") or 0,
                  not args["untie_embeddings_and_output_weights"],
-                 tuple(bool(moe) for moe in pattern))
+                 tuple(bool(moe) for moe in pattern),
+                 qkv_bias=bool(args.get("add_qkv_bias")), qk_norm=bool(args.get("qk_layernorm")),
+                 shared=args.get("moe_shared_expert_intermediate_size") or 0,
+                 shared_gate=bool(args.get("moe_shared_expert_gate")))
 
 
 @dataclass(frozen=True)
@@ -136,6 +181,8 @@ class Target:
     expert: Callable  # e -> (gate, up, down) names under the layer
     dense: tuple  # (gate, up, down) of a dense layer's MLP, under the layer
     zeros: Callable  # (shape, layer index) -> {name: tensor shape}: what the model lacks
+    shared: tuple = ()  # the shared expert's (gate, up, down, sigmoid gate), under the layer
+    qk_norm: tuple = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
 
 def _layer(i: int) -> str:
@@ -150,10 +197,18 @@ def _renames(shape: Shape, target: Target) -> list:
         pairs += [(ours + "self_attention.linear_proj.weight", theirs + "self_attn.o_proj.weight"),
                   (ours + "input_layernorm.weight", theirs + "input_layernorm.weight"),
                   (ours + "pre_mlp_layernorm.weight", theirs + "post_attention_layernorm.weight")]
+        if shape.qk_norm:
+            pairs += [(ours + f"self_attention.{p}_layernorm.weight", theirs + name)
+                      for p, name in zip("qk", target.qk_norm)]
         if shape.moe[i]:
             pairs.append((ours + "mlp.router.weight", theirs + target.router))
             pairs += [(f"{ours}mlp.experts.local_experts.{e}.linear_fc2.weight",
                        theirs + target.expert(e)[2]) for e in range(shape.experts)]
+            if shape.shared:
+                pairs.append((ours + "mlp.shared_experts.linear_fc2.weight",
+                              theirs + target.shared[2]))
+            if shape.shared and shape.shared_gate:
+                pairs.append((ours + "mlp.shared_experts.gate_weight", theirs + target.shared[3]))
         else:
             pairs.append((ours + "mlp.linear_fc2.weight", theirs + target.dense[2]))
     return pairs
@@ -166,10 +221,15 @@ def _vocabulary(shape: Shape) -> list:
     return pairs
 
 
-def _qkv(i: int) -> tuple:
+def _qkv(i: int, kind: str = "weight") -> tuple:
+    """(ours, [q, k, v]) of layer i's QKV weight or bias."""
     attention = _layer(i) + "self_attn."
-    return (f"decoder.layers.{i}.self_attention.linear_qkv.weight",
-            [attention + name for name in ("q_proj.weight", "k_proj.weight", "v_proj.weight")])
+    return (f"decoder.layers.{i}.self_attention.linear_qkv.{kind}",
+            [f"{attention}{p}_proj.{kind}" for p in "qkv"])
+
+
+def _qkvs(shape: Shape, i: int) -> list:
+    return [_qkv(i)] + ([_qkv(i, "bias")] if shape.qkv_bias else [])
 
 
 def _fc1s(shape: Shape, target: Target, i: int) -> list:
@@ -178,24 +238,28 @@ def _fc1s(shape: Shape, target: Target, i: int) -> list:
     if not shape.moe[i]:
         return [(ours + "linear_fc1.weight", [theirs + n for n in target.dense[:2]],
                  shape.dense_ffn)]
+    shared = [(ours + "shared_experts.linear_fc1.weight",
+               [theirs + n for n in target.shared[:2]], shape.shared)] if shape.shared else []
     return [(f"{ours}experts.local_experts.{e}.linear_fc1.weight",
              [theirs + n for n in target.expert(e)[:2]], shape.ffn)
-            for e in range(shape.experts)]
+            for e in range(shape.experts)] + shared
 
 
 def to_hf(state: dict, shape: Shape, target: Target, vocab_size: int) -> dict:
     """The target's tensors (the first vocab_size embedding rows) of a one-rank state dict."""
     import torch
 
-    h, groups, channels = shape.h, shape.groups, shape.channels
+    groups, channels = shape.groups, shape.channels
     per_group = shape.heads // groups
     out = {theirs: state[ours] for ours, theirs in _renames(shape, target)}
     out.update({theirs: state[ours][:vocab_size] for ours, theirs in _vocabulary(shape)})
     for i in range(shape.layers):
-        ours, (q, k, v) = _qkv(i)
-        qkv = state[ours].view(groups, per_group + 2, channels, h)
-        out[q] = qkv[:, :per_group].reshape(-1, h)
-        out[k], out[v] = qkv[:, per_group].reshape(-1, h), qkv[:, per_group + 1].reshape(-1, h)
+        for ours, (q, k, v) in _qkvs(shape, i):  # [h] columns for a weight, none for a bias
+            columns = state[ours].shape[1:]
+            qkv = state[ours].view(groups, per_group + 2, channels, *columns)
+            out[q] = qkv[:, :per_group].reshape(-1, *columns)
+            out[k] = qkv[:, per_group].reshape(-1, *columns)
+            out[v] = qkv[:, per_group + 1].reshape(-1, *columns)
         for ours, (gate, up), rows in _fc1s(shape, target, i):
             out[gate], out[up] = state[ours][:rows], state[ours][rows:]
         for name, size in target.zeros(shape, i).items():
@@ -209,7 +273,7 @@ def from_hf(tensors: dict, shape: Shape, target: Target, padded_vocab_size: int)
     must be zero (and of the shape the target gives it), else it is refused by name."""
     import torch
 
-    h, groups, channels = shape.h, shape.groups, shape.channels
+    groups, channels = shape.groups, shape.channels
     per_group = shape.heads // groups
     state = {ours: tensors[theirs] for ours, theirs in _renames(shape, target)}
     for ours, theirs in _vocabulary(shape):
@@ -217,10 +281,12 @@ def from_hf(tensors: dict, shape: Shape, target: Target, padded_vocab_size: int)
         state[ours] = torch.zeros(padded_vocab_size, weight.shape[1], dtype=weight.dtype)
         state[ours][:weight.shape[0]] = weight
     for i in range(shape.layers):
-        ours, (q, k, v) = _qkv(i)
-        state[ours] = torch.cat([tensors[q].view(groups, per_group, channels, h),
-                                 tensors[k].view(groups, 1, channels, h),
-                                 tensors[v].view(groups, 1, channels, h)], dim=1).reshape(-1, h)
+        for ours, (q, k, v) in _qkvs(shape, i):
+            columns = tensors[q].shape[1:]
+            state[ours] = torch.cat([tensors[q].view(groups, per_group, channels, *columns),
+                                     tensors[k].view(groups, 1, channels, *columns),
+                                     tensors[v].view(groups, 1, channels, *columns)],
+                                    dim=1).reshape(-1, *columns)
         for ours, parts, _ in _fc1s(shape, target, i):
             state[ours] = torch.cat([tensors[name] for name in parts])
         for name, size in target.zeros(shape, i).items():
@@ -237,7 +303,7 @@ def hf_names(shape: Shape, target: Target, with_zeros: bool = True) -> set:
     the tensors the project's model lacks, which an import may go without)."""
     names = {theirs for _, theirs in _renames(shape, target) + _vocabulary(shape)}
     for i in range(shape.layers):
-        names |= set(_qkv(i)[1])
+        names |= {name for _, parts in _qkvs(shape, i) for name in parts}
         names |= {name for _, parts, _ in _fc1s(shape, target, i) for name in parts}
         if with_zeros:
             names |= {_layer(i) + name for name in target.zeros(shape, i)}

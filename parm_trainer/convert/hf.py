@@ -3,9 +3,9 @@
     export_to_hf("runs/demo/checkpoints", "runs/demo/hf")       # any layout in, one process
     import_from_hf("runs/demo/hf", "runs/imported")             # a checkpoint any layout loads
 
-The class is MixtralForCausalLM where Mixtral expresses the model (every layer MoE, megatron's
-default router), else Qwen2MoeForCausalLM (--moe-router-pre-softmax, dense layers between the
-MoE layers); see mixtral.py and qwen2_moe.py.
+The class is chosen from the model's flags (families.py): MixtralForCausalLM where Mixtral
+expresses the model, else Qwen2MoeForCausalLM, Qwen3MoeForCausalLM (--qk-layernorm) or
+OlmoeForCausalLM (--qk-layernorm-across-heads); import goes by config.json's model_type.
 
 Both write into SAVE_DIR.partial and rename it to SAVE_DIR only when everything is written, so
 SAVE_DIR appears whole or not at all; an existing SAVE_DIR is refused before anything is done.
@@ -23,13 +23,10 @@ import sentencepiece
 
 from parm_trainer.convert.bert import FORMAT as BERT_FORMAT
 from parm_trainer.convert.hf_tokenizer import save_hf_tokenizer
-from parm_trainer.convert import mixtral, qwen2_moe
+from parm_trainer.convert.families import TARGETS, target_of
 from parm_trainer.convert.decoder import (check_exportable, from_hf, hf_names, legacy_keys,
                                           shape_of_args, to_hf)
 from parm_trainer.training.checkpoint import files
-
-TARGETS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe}  # config.json's model_type -> module
-
 
 class ConvertError(ValueError):
     """Input the converter cannot use; the message names it."""
@@ -74,11 +71,6 @@ def load_one_rank(load_dir: str, **overrides):
     checkpoint.load_checkpoint(load_dir, [model], None, None, load_optimizer=False,
                                   load_rng=False)
     return model, tokenizer
-
-
-def target_of(args: dict):
-    """The module (mixtral or qwen2_moe) of the class that expresses run.json's model."""
-    return mixtral if mixtral.expresses(args) else qwen2_moe
 
 
 def export_to_hf(load_dir: str, save_dir: str) -> str:
@@ -184,8 +176,8 @@ def _read_safetensors(load_dir: str) -> dict:
 
 
 def import_from_hf(load_dir: str, save_dir: str, tokenizer_model: str | None = None) -> tuple:
-    """Write a weights-only checkpoint (iteration 0) of a Mixtral, Qwen2-MoE (in the form
-    qwen2_moe.py writes) or convert/bert.py directory;
+    """Write a weights-only checkpoint (iteration 0) of a Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE
+    or convert/bert.py directory;
     returns (the entry script, the flags that build its model and load the checkpoint)."""
     _refuse_existing(save_dir)
     config_file = os.path.join(load_dir, "config.json")
@@ -197,8 +189,8 @@ def import_from_hf(load_dir: str, save_dir: str, tokenizer_model: str | None = N
         return _import_bert(load_dir, save_dir, config, tokenizer_model)
     if config.get("model_type") not in TARGETS:
         raise ConvertError(f"config.json has model_type {config.get('model_type')!r}; only "
-                           f"{', '.join(map(repr, TARGETS))} ({mixtral.TARGET.class_name}, "
-                           f"{qwen2_moe.TARGET.class_name}) import")
+                           f"{', '.join(map(repr, TARGETS))} (" + ", ".join(
+                               t.TARGET.class_name for t in TARGETS.values()) + ") import")
     target = TARGETS[config["model_type"]]
     values = target.model_flags(config)
     tokenizer_model = tokenizer_model or os.path.join(load_dir, "tokenizer.model")

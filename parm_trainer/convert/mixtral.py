@@ -2,7 +2,8 @@
 
 Mixtral expresses a model exactly when, beyond decoder.REQUIRED, every layer is MoE and the
 router is megatron's default (the softmax of the top-k logits; Mixtral takes the softmax over
-all experts renormalised over the top k, the same function). Its per-expert names are
+all experts renormalised over the top k, the same function), with no QKV bias, query/key norm
+or shared expert. Its per-expert names are
 `block_sparse_moe.experts.N.w1/w3/w2` (gate, up, down).
 """
 
@@ -22,8 +23,12 @@ ONLY_MIXTRAL = {
 }
 
 
+NONE_OF = ("add_qkv_bias", "qk_layernorm", "moe_shared_expert_intermediate_size")
+
+
 def expresses(args: dict) -> bool:
-    return all(args.get(flag) == needed for flag, (needed, _) in ONLY_MIXTRAL.items())
+    return (all(args.get(flag) == needed for flag, (needed, _) in ONLY_MIXTRAL.items())
+            and not any(args.get(flag) for flag in NONE_OF))
 
 
 def hf_config(args: dict, vocab_size: int, bos: int, eos: int) -> dict:

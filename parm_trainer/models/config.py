@@ -48,6 +48,10 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu,
         add_bias_linear=not args.disable_bias_linear,
+        add_qkv_bias=getattr(args, "add_qkv_bias", False),
+        # the norms across heads are the spec's own modules (qk_norm.py says why not here)
+        qk_layernorm=(getattr(args, "qk_layernorm", False)
+                      and not getattr(args, "qk_layernorm_across_heads", False)),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         **pipeline_fields(args),

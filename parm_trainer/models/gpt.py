@@ -16,6 +16,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from parm_trainer.models.qk_norm import AcrossHeadsRMSNorm
 from parm_trainer.moe.layer import ParmMoELayer
 
 
@@ -48,16 +49,30 @@ def gpt_layer_spec(config: TransformerConfig, args: argparse.Namespace,
             from megatron.core.models.gpt.gpt_layer_specs import (
                 get_gpt_layer_with_transformer_engine_spec)
 
-            return get_gpt_layer_with_transformer_engine_spec()
-        return get_gpt_layer_local_spec(normalization=args.normalization)
+            return norms_across_heads(get_gpt_layer_with_transformer_engine_spec(
+                qk_layernorm=config.qk_layernorm), args)
+        return norms_across_heads(get_gpt_layer_local_spec(
+            normalization=args.normalization, qk_layernorm=config.qk_layernorm), args)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=uses_te(args),
                                        normalization=args.normalization, vp_stage=vp_stage)
+    for layer in block.layer_specs:
+        norms_across_heads(layer, args)
     if args.moe_parm_schedule != "megatron":
         for layer in block.layer_specs:
             use_parm_moe_layer(layer, args.moe_parm_schedule, args.moe_parm_chunks,
                                args.moe_parm_exchange, args.moe_parm_local_first,
                                args.moe_shared_expert_overlap)
     return block
+
+
+def norms_across_heads(layer_spec: ModuleSpec, args: argparse.Namespace) -> ModuleSpec:
+    """With --qk-layernorm-across-heads, the query and key norms of a layer spec normalise
+    over all heads (qk_norm.py); the spec as it was otherwise."""
+    if getattr(args, "qk_layernorm_across_heads", False):
+        attention = layer_spec.submodules.self_attention.submodules
+        attention.q_layernorm = ModuleSpec(module=AcrossHeadsRMSNorm, params={"part": "query"})
+        attention.k_layernorm = ModuleSpec(module=AcrossHeadsRMSNorm, params={"part": "key"})
+    return layer_spec
 
 
 def use_parm_moe_layer(layer_spec: ModuleSpec, schedule: str, chunks: int,

@@ -117,18 +117,34 @@ class ModelCost:
         return Piece("E", look + reduce, 2 * look + reduce, self.vocab * M / self.tp, 0.0,
                      self.activations("E"))
 
+    def _widths(self) -> tuple:
+        """(query width, key/value width): heads x channels, groups x channels."""
+        a = self.args
+        heads = a.num_attention_heads
+        groups = a.num_query_groups if getattr(a, "group_query_attention", False) else heads
+        channels = getattr(a, "kv_channels", None) or a.hidden_size // heads
+        return heads * channels, groups * channels
+
     def attention(self) -> tuple:
         a, n, M, T = self.args, self.n, self.args.hidden_size, self.tp
         heads = a.num_attention_heads
-        groups = a.num_query_groups if getattr(a, "group_query_attention", False) else heads
-        qkv = 2 * n * M * (M + 2 * M * groups / heads) / T
-        core = 4 * a.micro_batch_size * a.seq_length ** 2 * M / T
-        flops = qkv + core + 2 * n * M * M / T
+        q, kv = self._widths()
+        qkv = 2 * n * M * (q + 2 * kv) / T
+        core = 4 * a.micro_batch_size * a.seq_length ** 2 * q / T
+        flops = qkv + core + 2 * n * q * M / T
         softmax = 3 * a.micro_batch_size * heads / T * a.seq_length ** 2 * self.e
         norm = 2 * n * M * self.e / (T if self.sp else 1)
         # QKV, scores, values, projection
         f, b = self._mp_block(self.gemm(flops, calls=4), self.traffic(softmax + norm))
-        params = (M * (M + 2 * M * groups / heads) + M * M) / T + M
+        params = (M * (q + 2 * kv) + q * M) / T + M
+        if getattr(a, "add_qkv_bias", False) or not getattr(a, "disable_bias_linear", True):
+            params += (q + 2 * kv) / T  # --add-qkv-bias (all biases: the projection's too)
+        if not getattr(a, "disable_bias_linear", True):
+            params += M
+        if getattr(a, "qk_layernorm_across_heads", False):
+            params += (q + kv) / T  # a weight per channel of every head, split with the heads
+        elif getattr(a, "qk_layernorm", False):
+            params += 2 * q / heads  # one head's width each, on every rank
         return f, b, params
 
     def mlp(self) -> tuple:
@@ -193,10 +209,13 @@ class ModelCost:
         if kind == "L":
             return norm + n * M * e + n * self.vocab / T * 4 + n * 9
         probs = b * heads / T * s * s * e
-        attention = (norm + n * M * e + 3 * n * M * e / T + probs + s * s + n * M * e / T
+        q, kv = self._widths()
+        attention = (norm + n * M * e + 3 * n * q * e / T + probs + s * s + n * q * e / T
                      + hidden_drop)
         if getattr(a, "position_embedding_type", "") == "rope":
-            attention += 2 * n * M * e / T
+            attention += 2 * n * q * e / T
+        if getattr(a, "qk_layernorm", False):  # each norm's input (and RMSNorm's output)
+            attention += (q + kv) * n * e / T * (2 if rms else 1) + n * heads / T * 8
         if getattr(a, "attention_dropout", 0.0) > 0:
             attention += 2 * probs
         widths = 5 if getattr(a, "swiglu", False) else 2

@@ -4,8 +4,8 @@ Megatron-LM's load_args_from_checkpoint (megatron/training/checkpointing.py) tak
 model argument from the checkpoint: sizes that a command line may still set (Megatron-LM
 leaves those given a value), and the rest, always the checkpoint's. Here the same lists, in
 this stack's flag names, plus the few more that shape this stack's tensors (the vocabulary's
-padding, the norms' epsilon, the shared expert's gate, group-limited routing). The tokenizer
-comes with them (Megatron-LM's --use-tokenizer-model-from-checkpoint-args, on by default):
+padding, the norms' epsilon, the query/key norms, the shared expert's gate, group-limited
+routing). The tokenizer comes with them (Megatron-LM's --use-tokenizer-model-from-checkpoint-args, on by default):
 its type and --vocab-size always, its files where their flags are not given (the checkpoint's
 own copies: tokenizer.model, or vocab.json and merges.txt).
 """
@@ -22,15 +22,16 @@ UNLESS_GIVEN = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length",
                 "num_attention_heads", "kv_channels", "max_position_embeddings",
                 "moe_token_dispatcher_type")
 ALWAYS = ("num_query_groups", "group_query_attention", "position_embedding_type",
-          "add_position_embedding", "rotary_base", "disable_bias_linear", "swiglu",
-          "untie_embeddings_and_output_weights", "normalization", "attention_dropout",
+          "add_position_embedding", "rotary_base", "disable_bias_linear", "add_qkv_bias",
+          "swiglu", "untie_embeddings_and_output_weights", "normalization", "attention_dropout",
           "hidden_dropout", "num_experts", "moe_layer_freq", "moe_ffn_hidden_size",
           "moe_router_topk", "moe_router_pre_softmax", "moe_grouped_gemm",
           "moe_shared_expert_intermediate_size", "moe_router_score_function",
           "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
           # this stack's, beside Megatron-LM's list
           "make_vocab_size_divisible_by", "norm_epsilon", "moe_shared_expert_gate",
-          "moe_router_num_groups", "moe_router_group_topk", "tokenizer_type", "vocab_size")
+          "moe_router_num_groups", "moe_router_group_topk", "tokenizer_type", "vocab_size",
+          "qk_layernorm", "qk_layernorm_across_heads")
 
 
 def apply(args, given: set) -> list:

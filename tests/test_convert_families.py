@@ -1,0 +1,228 @@
+"""tools/checkpoint/convert.py on the Qwen2-MoE, Qwen3-MoE and OLMoE families against
+transformers' own models, and the model flags they need (--add-qkv-bias, --qk-layernorm,
+--qk-layernorm-across-heads).
+
+A random model of each family made by transformers (its vectors drawn too: QKV biases, norm
+weights) imports: the project's logits are transformers' on one rank and under TP2 x PP2 x
+EP2 (ESP1), its greedy continuation generate()'s on one rank (tools/generate.py) and under
+that layout, and the import exports back bit for bit. A model the project trains with each
+family's features under TP2 x EP2 with sequence parallelism exports to the family's class,
+which transformers loads with no missing or unexpected keys and the logits the project's
+model has under TP2 x PP2 x EP2. A checkpoint with --qk-layernorm --add-qkv-bias resumes
+under another layout with the same losses. One launch runs every checkpoint under the 4-rank
+layout.
+"""
+
+import json
+import shutil
+import warnings
+
+import pytest
+import sentencepiece
+import torch
+
+from conftest import free_port, launch, max_relative, python, tiny_gpt_args, torchrun
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from safetensors.torch import load_file
+    import transformers
+
+COMMON = dict(vocab_size=2000, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+              max_position_embeddings=64, initializer_range=0.1,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+# model_type -> (class, its config's own entries, what the printed command line must hold)
+FAMILIES = {
+    "qwen2_moe": ("Qwen2MoeForCausalLM", dict(
+        intermediate_size=80, moe_intermediate_size=48, shared_expert_intermediate_size=40,
+        mlp_only_layers=[0], norm_topk_prob=True),
+        ["--add-qkv-bias", "--moe-shared-expert-intermediate-size 40",
+         "--moe-shared-expert-gate", "--moe-layer-freq [0,1,1,1]"]),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(
+        intermediate_size=80, moe_intermediate_size=48, mlp_only_layers=[2], head_dim=24,
+        norm_topk_prob=False), ["--qk-layernorm", "--kv-channels 24",
+                                "--moe-router-pre-softmax", "--moe-layer-freq [1,1,0,1]"]),
+    "olmoe": ("OlmoeForCausalLM", dict(intermediate_size=48, norm_topk_prob=False),
+              ["--qk-layernorm --qk-layernorm-across-heads", "--moe-router-pre-softmax"]),
+}
+# the features each family's class holds, as the project trains them (TP2 x EP2, SP)
+SHAPE = {"normalization": "RMSNorm", "swiglu": True, "position-embedding-type": "rope",
+         "group-query-attention": True, "num-query-groups": 2, "moe-ffn-hidden-size": 48}
+TRAINED = {
+    "qwen2_moe": {"add-qkv-bias": True, "moe-shared-expert-intermediate-size": 32,
+                  "moe-shared-expert-gate": True, "moe-layer-freq": "[0,1]"},
+    "qwen3_moe": {"qk-layernorm": True, "add-qkv-bias": True, "moe-layer-freq": "[1,0]",
+                  "kv-channels": 24, "train-iters": 4, "save-interval": 2},
+    "olmoe": {"qk-layernorm": True, "qk-layernorm-across-heads": True},
+}
+TRAIN_LAYOUT = {"tensor-model-parallel-size": 2, "expert-model-parallel-size": 2,
+                "sequence-parallel": True}
+LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+          "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
+PROMPT = "The module"
+
+
+def convert(*args):
+    return python("tools/checkpoint/convert.py", *args)
+
+
+def _random_model(model_type, directory, tokenizer):
+    """A random model of the family, its 1-D tensors (biases, norm weights) off their initial
+    zeros and ones, saved by transformers with the SentencePiece model beside it."""
+    name, extra, _ = FAMILIES[model_type]
+    sp = sentencepiece.SentencePieceProcessor(model_file=tokenizer)
+    config = transformers.AutoConfig.for_model(model_type, **COMMON, **extra,
+                                               bos_token_id=sp.bos_id(),
+                                               eos_token_id=sp.eos_id())
+    torch.manual_seed(0)
+    model = getattr(transformers, name)(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.add_(0.2 * torch.randn_like(param))
+    model.eval().save_pretrained(directory)
+    shutil.copyfile(tokenizer, directory / "tokenizer.model")
+    return model
+
+
+def _sequences(gpt_data, count=3, length=40):
+    sp = sentencepiece.SentencePieceProcessor(model_file=gpt_data["tokenizer"])
+    texts = [json.loads(line)["text"] for line in
+             open(gpt_data["dir"] / "corpus.jsonl").read().splitlines()[:count]]
+    return [sp.encode(text)[:length] for text in texts]
+
+
+@pytest.fixture(scope="module")
+def imported(gpt_data, tmp_path_factory):
+    """model_type -> (transformers' model, its directory, the import, what convert printed)."""
+    tmp = tmp_path_factory.mktemp("families")
+    out = {}
+    for model_type in FAMILIES:
+        original, ckpt = tmp / model_type, tmp / f"{model_type}_imported"
+        model = _random_model(model_type, original, gpt_data["tokenizer"])
+        result = convert("--loader", "hf", "--saver", "parm", "--load-dir", original,
+                         "--save-dir", ckpt)
+        assert result.returncode == 0, result.stderr[-3000:]
+        back = convert("--loader", "parm", "--saver", "hf", "--load-dir", ckpt,
+                       "--save-dir", tmp / f"{model_type}_back")
+        assert back.returncode == 0, back.stderr[-3000:]
+        out[model_type] = (model, original, ckpt, result.stdout + back.stdout)
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(gpt_data, tmp_path_factory):
+    """model_type -> (the training run, its checkpoint, its export)."""
+    tmp = tmp_path_factory.mktemp("trained")
+    out = {}
+    for model_type, features in TRAINED.items():
+        ckpt, hf = tmp / f"{model_type}_ckpt", tmp / f"{model_type}_hf"
+        flags = {**SHAPE, **TRAIN_LAYOUT, "train-iters": 2, **features, "save": ckpt}
+        run = launch(4, tiny_gpt_args(gpt_data, **flags), tmp)
+        assert run.returncode == 0, run.output[-4000:]
+        result = convert("--loader", "parm", "--saver", "hf", "--load-dir", ckpt,
+                         "--save-dir", hf)
+        assert result.returncode == 0, result.stderr[-3000:]
+        out[model_type] = (run, ckpt, hf)
+    return out
+
+
+@pytest.fixture(scope="module")
+def under_layout(imported, trained, gpt_data, tmp_path_factory):
+    """Every checkpoint (the imports, the trained ones) under TP2 x PP2 x EP2, one launch:
+    {checkpoint: {"logits", "ids"}}."""
+    tmp = tmp_path_factory.mktemp("layout")
+    checkpoints = [ckpt for _, _, ckpt, _ in imported.values()] + \
+        [ckpt for _, ckpt, _ in trained.values()]
+    jobs = [{"load": str(ckpt), "tokens": _sequences(gpt_data), "out": str(tmp / f"{i}.pt")}
+            for i, ckpt in enumerate(checkpoints)]
+    (tmp / "jobs.json").write_text(json.dumps(jobs))
+    status, output = torchrun(["--nproc-per-node", "4", "--master-port", free_port(),
+                               "tests/worker_family_layout.py", tmp / "jobs.json", PROMPT,
+                               *LAYOUT])
+    assert status == 0, output[-4000:]
+    return {ckpt: torch.load(job["out"]) for ckpt, job in zip(checkpoints, jobs)}
+
+
+def _project_logits(ckpt, sequences, out):
+    """The project's model on one rank (as the converter loads it)."""
+    inputs = out.with_suffix(".json")
+    inputs.write_text(json.dumps({"tokens": sequences}))
+    run = python("tests/worker_project_logits.py", ckpt, inputs, out)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_import_has_transformers_logits_on_one_rank_and_under_tp_pp_ep(
+        model_type, imported, under_layout, gpt_data, tmp_path):
+    model, _, ckpt, printed = imported[model_type]
+    for flags in FAMILIES[model_type][2]:
+        assert flags in printed, printed
+    sequences = _sequences(gpt_data)
+    with torch.no_grad():
+        theirs = model(torch.tensor(sequences)).logits
+    assert theirs.abs().max() > 0.5  # weights that make the logits depend on every tensor
+    one = _project_logits(ckpt, sequences, tmp_path / "logits.pt")[..., :COMMON["vocab_size"]]
+    assert (one - theirs).abs().max() <= 1e-4
+    assert (under_layout[ckpt]["logits"] - theirs).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_greedy_generation_is_transformers(model_type, imported, under_layout):
+    model, _, ckpt, _ = imported[model_type]
+    status, output = torchrun(["--nproc-per-node", "1", "--master-port", free_port(),
+                               "tools/generate.py", "--load-dir", ckpt, "--prompt", PROMPT,
+                               "--max-new-tokens", "20"])
+    assert status == 0, output[-3000:]
+    lines = output.splitlines()
+    prompt = [int(i) for i in next(l for l in lines if l.startswith("prompt ids: ")).split()[2:]]
+    ours = [int(i) for i in next(l for l in lines if l.startswith("ids: ")).split()[1:]]
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)
+    theirs = out[0, len(prompt):].tolist()
+    assert len(ours) == 20 or ours[-1] == model.config.eos_token_id
+    assert ours == theirs
+    assert under_layout[ckpt]["ids"] == theirs
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_export_of_the_import_is_bit_exact(model_type, imported):
+    _, original, _, printed = imported[model_type]
+    assert f"{FAMILIES[model_type][0]}, with its tokenizer" in printed
+    before = load_file(original / "model.safetensors")
+    after = load_file(original.with_name(f"{model_type}_back") / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    for key, tensor in before.items():
+        assert torch.equal(tensor, after[key]), key
+
+
+@pytest.mark.parametrize("model_type", TRAINED)
+def test_trained_model_exports_to_its_family(model_type, trained, under_layout, gpt_data):
+    _, ckpt, hf = trained[model_type]
+    name = FAMILIES[model_type][0]
+    model, info = getattr(transformers, name).from_pretrained(hf, dtype=torch.float32,
+                                                              output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        theirs = model(torch.tensor(_sequences(gpt_data))).logits
+    # saved under TP2 x EP2 with SP, loaded on one rank (the export) and under TP2 x PP2 x EP2
+    assert (under_layout[ckpt]["logits"] - theirs).abs().max() <= 1e-4
+
+
+def test_qk_layernorm_and_qkv_bias_resume_under_another_layout(trained, gpt_data, tmp_path):
+    """Saved at iteration 2 under TP2 x EP2 with SP, resumed under PP2 on 2 ranks: the same
+    iterations 3 and 4."""
+    run, ckpt, _ = trained["qwen3_moe"]
+    at_2 = tmp_path / "at_2"
+    at_2.mkdir()
+    (at_2 / "iter_0000002").symlink_to(ckpt / "iter_0000002")
+    (at_2 / "latest_checkpointed_iteration.txt").write_text("2")
+    flags = {**SHAPE, **TRAINED["qwen3_moe"], "pipeline-model-parallel-size": 2,
+             "load": at_2, "save-interval": None}
+    resumed = launch(2, tiny_gpt_args(gpt_data, **flags), tmp_path)
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert f"resumed from {at_2} at iteration 2" in resumed.output, resumed.output[-4000:]
+    assert len(run.loss()) == 4 and len(resumed.loss()) == 2
+    assert max_relative(resumed.loss(), run.loss()[2:]) < 1e-3

@@ -6,7 +6,8 @@ missing or unexpected keys and whose logits and greedy continuation (generated o
 under PP2 x TP2 x EP2 x ESP1) are the project's own; a Mixtral made by transformers
 imports, trains under another layout with one rank's losses, and exports back bit for bit. A
 Qwen2-MoE (the class for --moe-router-pre-softmax and dense layers between MoE layers) does the
-same round trip with the same logits. transformers 4.x (make setup installs one beside 5.x)
+same round trip with the same logits (tests/test_convert_families.py: its shared expert and
+QKV biases, Qwen3-MoE and OLMoE). transformers 4.x (make setup installs one beside 5.x)
 loads both exports with 5.x's logits and tokenizer ids. Refusals are one line and leave nothing
 behind.
 """
@@ -245,13 +246,13 @@ def test_qwen2_moe_round_trip_with_the_same_logits(qwen2, gpt_data):
 
 
 def test_qwen2_moe_refusals(gpt_data, tmp_path):
-    _qwen2_moe(tmp_path / "shared", shared_expert_intermediate_size=32)
-    biased = _qwen2_moe(tmp_path / "biased")
+    """A shared expert of width 0 has no output whatever its gate; the project's model, which
+    then has no shared expert, imports only a zero gate (and so exports back bit for bit)."""
+    gated = _qwen2_moe(tmp_path / "gated")
     with torch.no_grad():
-        biased.model.layers[2].self_attn.k_proj.bias[3] = 0.5
-    biased.save_pretrained(tmp_path / "biased")
-    for directory, needle in (("shared", "shared_expert_intermediate_size 32"),
-                              ("biased", "model.layers.2.self_attn.k_proj.bias")):
+        gated.model.layers[2].mlp.shared_expert_gate.weight[0, 3] = 0.5
+    gated.save_pretrained(tmp_path / "gated")
+    for directory, needle in (("gated", "model.layers.2.mlp.shared_expert_gate.weight"),):
         out = tmp_path / f"{directory}_out"
         result = convert("--loader", "hf", "--saver", "parm", "--load-dir", tmp_path / directory,
                          "--save-dir", out, "--tokenizer-model", gpt_data["tokenizer"])

@@ -14,14 +14,19 @@ layout.
 """
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import warnings
 
 import pytest
 import sentencepiece
 import torch
 
-from conftest import free_port, launch, max_relative, python, tiny_gpt_args, torchrun
+from bad_input_fixtures import assert_refused, pretrain_argv
+from conftest import ROOT, free_port, launch, max_relative, python, tiny_gpt_args, torchrun
+import test_models_init
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -211,6 +216,29 @@ def test_trained_model_exports_to_its_family(model_type, trained, under_layout, 
     assert (under_layout[ckpt]["logits"] - theirs).abs().max() <= 1e-4
 
 
+def test_transformers_4_loads_the_exports(imported, trained, gpt_data):
+    """The exports (of the imports and of the trained models) load in transformers 4.x (make
+    setup installs one beside 5.x) as the same class with 5.x's logits."""
+    sequences = _sequences(gpt_data)
+    directories = [str(original.with_name(f"{t}_back")) for t, (_, original, _, _)
+                   in imported.items()] + [str(hf) for _, _, hf in trained.values()]
+    run = subprocess.run(
+        [sys.executable, "tests/worker_transformers4.py",
+         json.dumps([[d, sequences, ["The module"]] for d in directories])],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT / ".venv" / "transformers4"),
+             "PYTHONWARNINGS": "ignore"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    old = json.loads(run.stdout.splitlines()[-1])
+    for directory, model_type in zip(directories, [*imported, *trained]):
+        name = FAMILIES[model_type][0]
+        model = getattr(transformers, name).from_pretrained(directory, dtype=torch.float32)
+        with torch.no_grad():
+            new = model(torch.tensor(sequences)).logits
+        assert old[directory]["class"] == name
+        assert (torch.tensor(old[directory]["logits"]) - new).abs().max() <= 1e-5, directory
+
+
 def test_qk_layernorm_and_qkv_bias_resume_under_another_layout(trained, gpt_data, tmp_path):
     """Saved at iteration 2 under TP2 x EP2 with SP, resumed under PP2 on 2 ranks: the same
     iterations 3 and 4."""
@@ -226,3 +254,106 @@ def test_qk_layernorm_and_qkv_bias_resume_under_another_layout(trained, gpt_data
     assert f"resumed from {at_2} at iteration 2" in resumed.output, resumed.output[-4000:]
     assert len(run.loss()) == 4 and len(resumed.loss()) == 2
     assert max_relative(resumed.loss(), run.loss()[2:]) < 1e-3
+
+
+# --- refusals: one line, nothing written ----------------------------------------------------
+
+GPT_ARGS = {"num_experts": 4, "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+            "normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
+            "disable_bias_linear": True, "moe_ffn_hidden_size": 48, "moe_layer_freq": 1,
+            "untie_embeddings_and_output_weights": False}
+NOT_EXPORTED = {
+    "shared_without_gate": ({"moe_shared_expert_intermediate_size": 32},
+                            "Qwen2MoeForCausalLM's shared expert always has its sigmoid gate"),
+    "qk_norm_and_shared": ({"qk_layernorm": True, "moe_shared_expert_intermediate_size": 32},
+                           "Qwen3MoeForCausalLM has no shared expert"),
+    "across_heads_dense": ({"qk_layernorm": True, "qk_layernorm_across_heads": True,
+                            "moe_layer_freq": [0, 1]}, "every OlmoeForCausalLM layer is MoE"),
+    "sigmoid_router": ({"moe_router_score_function": "sigmoid"},
+                       "--moe-router-score-function 'sigmoid'"),
+}
+NOT_IMPORTED = {
+    "qwen2_sliding_window": ("qwen2_moe", {"use_sliding_window": True},
+                             "use_sliding_window true: attention over a window"),
+    "qwen3_sliding_window": ("qwen3_moe", {"use_sliding_window": True},
+                             "use_sliding_window true: attention over a window"),
+    "olmoe_clip_qkv": ("olmoe", {"clip_qkv": 8.0}, "clip_qkv 8.0: the project's attention"),
+    "gelu": ("qwen3_moe", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+}
+
+
+def test_convert_refuses_what_no_class_or_model_expresses(entry, capsys, tmp_path):
+    main = entry("tools/checkpoint/convert.py")
+    out = tmp_path / "out"
+    for case, (changes, needle) in NOT_EXPORTED.items():
+        ckpt = tmp_path / case
+        (ckpt / "iter_0000002").mkdir(parents=True)
+        (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+        (ckpt / "iter_0000002" / "run.json").write_text(
+            json.dumps({"model": "gpt", "args": {**GPT_ARGS, **changes}}))
+        assert_refused(main, ["--loader", "parm", "--saver", "hf", "--load-dir", ckpt,
+                              "--save-dir", out], capsys, 1, needle)
+        assert not out.exists() and not (tmp_path / "out.partial").exists()
+    for case, (model_type, changes, needle) in NOT_IMPORTED.items():
+        directory = tmp_path / case
+        transformers.AutoConfig.for_model(model_type, **COMMON, **FAMILIES[model_type][1],
+                                          **changes).save_pretrained(directory)
+        assert_refused(main, ["--loader", "hf", "--saver", "parm", "--load-dir", directory,
+                              "--save-dir", out], capsys, 1, needle)
+        assert not out.exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_convert_refuses_an_output_bias(gpt_data, tmp_path):
+    """Qwen3-MoE's attention_bias biases the output projection too: only a zero one imports
+    (--add-qkv-bias)."""
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model("qwen3_moe", **COMMON,
+                                               **FAMILIES["qwen3_moe"][1], attention_bias=True)
+    model = transformers.Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.o_proj.bias[5] = 0.5
+    model.save_pretrained(tmp_path / "biased")
+    out = tmp_path / "out"
+    result = convert("--loader", "hf", "--saver", "parm", "--load-dir", tmp_path / "biased",
+                     "--save-dir", out, "--tokenizer-model", gpt_data["tokenizer"])
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert result.returncode == 1 and len(errors) == 1, result.stderr[-3000:]
+    assert "model.layers.1.self_attn.o_proj.bias (shape [64]) is not zero" in errors[0]
+    assert not out.exists() and not (tmp_path / "out.partial").exists()
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--qk-layernorm-across-heads"], "--qk-layernorm-across-heads needs --qk-layernorm"),
+    (["--qk-layernorm", "--qk-layernorm-across-heads"],
+     "--qk-layernorm-across-heads needs --normalization RMSNorm"),
+])
+def test_pretrain_refuses_norms_across_heads_without_their_kind(entry, gpt_data, capsys,
+                                                                flags, needle):
+    assert_refused(entry("pretrain_gpt_moe.py"), pretrain_argv(gpt_data, *flags), capsys, 1,
+                   needle)
+
+
+# --- the parameters the memory estimate counts -------------------------------------------------
+
+one_rank_world = test_models_init.one_rank_world  # a one-rank gloo world (a fixture)
+
+
+@pytest.mark.parametrize("extra", [
+    [], ["--add-qkv-bias"], ["--qk-layernorm"], ["--qk-layernorm", "--normalization", "LayerNorm"],
+    ["--qk-layernorm", "--qk-layernorm-across-heads", "--add-qkv-bias"],
+    ["--group-query-attention", "--num-query-groups", "2", "--kv-channels", "12",
+     "--qk-layernorm", "--add-qkv-bias"],
+])
+def test_memory_estimate_counts_the_layers_parameters(one_rank_world, extra):
+    """An MoE layer's parameters in the cost model (planning/model_cost.py, which the memory
+    estimate and the stage builder read) are the built model's."""
+    from parm_trainer.moe.cost_profile import DEFAULT_PROFILE
+    from parm_trainer.planning.model_cost import ModelCost
+
+    flags = ["--normalization", "RMSNorm", *extra]
+    args, model = test_models_init.build_tiny(0, *flags)
+    built = sum(p.numel() for name, p in model.named_parameters()
+                if name.startswith("decoder.layers.0."))
+    counted = ModelCost(args, DEFAULT_PROFILE).layer(True).params
+    norms = 2 * args.hidden_size if "LayerNorm" in extra else 0  # the layer norms' biases
+    assert counted + norms == built

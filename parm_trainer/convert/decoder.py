@@ -81,8 +81,9 @@ def rope(args: dict) -> dict:
 def legacy_keys(args: dict) -> dict:
     """What config.json needs beside 5.x's save_pretrained output for transformers 4.x to read
     it alike: 4.x reads the RoPE base from rope_theta (5.x writes only rope_parameters, and
-    without it 4.x takes its default base of 1e6)."""
-    return {"rope_theta": float(args["rotary_base"])}
+    without it 4.x takes its default base of 1e6), and Qwen3-MoE's experts from num_experts
+    (5.x writes num_local_experts; every class here reads num_experts as the same number)."""
+    return {"rope_theta": float(args["rotary_base"]), "num_experts": args["num_experts"]}
 
 
 def rope_theta(config: dict) -> int:

@@ -143,8 +143,8 @@ class ModelCost:
             params += M
         if getattr(a, "qk_layernorm_across_heads", False):
             params += (q + kv) / T  # a weight per channel of every head, split with the heads
-        elif getattr(a, "qk_layernorm", False):
-            params += 2 * q / heads  # one head's width each, on every rank
+        elif getattr(a, "qk_layernorm", False):  # one head's width each, on every rank
+            params += 2 * q / heads * (1 if getattr(a, "normalization", "") == "RMSNorm" else 2)
         return f, b, params
 
     def mlp(self) -> tuple:

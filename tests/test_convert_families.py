@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import sentencepiece
@@ -98,56 +99,73 @@ def _sequences(gpt_data, count=3, length=40):
     return [sp.encode(text)[:length] for text in texts]
 
 
-@pytest.fixture(scope="module")
-def imported(gpt_data, tmp_path_factory):
-    """model_type -> (transformers' model, its directory, the import, what convert printed)."""
-    tmp = tmp_path_factory.mktemp("families")
-    out = {}
+def _once(tmp_path_factory, name, build):
+    """build(folder), a JSON-able summary of what it made there, run once a session: under
+    pytest -n the first worker to ask builds it in the workers' common folder while the others
+    wait, and each reads the summary."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return build(tmp_path_factory.mktemp(name))
+    import fcntl
+
+    shared = tmp_path_factory.getbasetemp().parent  # the workers' common pytest-N folder
+    folder, summary = shared / name, shared / f"{name}.json"
+    with open(shared / f"{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not summary.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a build that failed half-way
+            folder.mkdir()
+            summary.write_text(json.dumps(build(folder)))
+    return json.loads(summary.read_text())
+
+
+def _build(tmp, gpt_data):
+    """Each family's random model imported and exported back; a model with each family's
+    features trained on 4 ranks and exported; every checkpoint under TP2 x PP2 x EP2 in one
+    launch."""
+    sequences = _sequences(gpt_data)
+    out = {"sequences": sequences, "imported": {}, "trained": {}}
     for model_type in FAMILIES:
-        original, ckpt = tmp / model_type, tmp / f"{model_type}_imported"
-        model = _random_model(model_type, original, gpt_data["tokenizer"])
+        original, ckpt, back = (tmp / f"{model_type}{end}" for end in ("", "_imported", "_back"))
+        _random_model(model_type, original, gpt_data["tokenizer"])
         result = convert("--loader", "hf", "--saver", "parm", "--load-dir", original,
                          "--save-dir", ckpt)
         assert result.returncode == 0, result.stderr[-3000:]
-        back = convert("--loader", "parm", "--saver", "hf", "--load-dir", ckpt,
-                       "--save-dir", tmp / f"{model_type}_back")
-        assert back.returncode == 0, back.stderr[-3000:]
-        out[model_type] = (model, original, ckpt, result.stdout + back.stdout)
-    return out
-
-
-@pytest.fixture(scope="module")
-def trained(gpt_data, tmp_path_factory):
-    """model_type -> (the training run, its checkpoint, its export)."""
-    tmp = tmp_path_factory.mktemp("trained")
-    out = {}
+        exported = convert("--loader", "parm", "--saver", "hf", "--load-dir", ckpt,
+                           "--save-dir", back)
+        assert exported.returncode == 0, exported.stderr[-3000:]
+        out["imported"][model_type] = {"original": str(original), "ckpt": str(ckpt),
+                                       "back": str(back),
+                                       "printed": result.stdout + exported.stdout}
     for model_type, features in TRAINED.items():
-        ckpt, hf = tmp / f"{model_type}_ckpt", tmp / f"{model_type}_hf"
+        ckpt, hf = tmp / f"{model_type}_trained", tmp / f"{model_type}_trained_hf"
         flags = {**SHAPE, **TRAIN_LAYOUT, "train-iters": 2, **features, "save": ckpt}
         run = launch(4, tiny_gpt_args(gpt_data, **flags), tmp)
         assert run.returncode == 0, run.output[-4000:]
         result = convert("--loader", "parm", "--saver", "hf", "--load-dir", ckpt,
                          "--save-dir", hf)
         assert result.returncode == 0, result.stderr[-3000:]
-        out[model_type] = (run, ckpt, hf)
-    return out
-
-
-@pytest.fixture(scope="module")
-def under_layout(imported, trained, gpt_data, tmp_path_factory):
-    """Every checkpoint (the imports, the trained ones) under TP2 x PP2 x EP2, one launch:
-    {checkpoint: {"logits", "ids"}}."""
-    tmp = tmp_path_factory.mktemp("layout")
-    checkpoints = [ckpt for _, _, ckpt, _ in imported.values()] + \
-        [ckpt for _, ckpt, _ in trained.values()]
-    jobs = [{"load": str(ckpt), "tokens": _sequences(gpt_data), "out": str(tmp / f"{i}.pt")}
+        out["trained"][model_type] = {"ckpt": str(ckpt), "hf": str(hf), "losses": run.loss()}
+    checkpoints = [entry["ckpt"] for kind in ("imported", "trained")
+                   for entry in out[kind].values()]
+    jobs = [{"load": ckpt, "tokens": sequences, "out": str(tmp / f"layout_{i}.pt")}
             for i, ckpt in enumerate(checkpoints)]
     (tmp / "jobs.json").write_text(json.dumps(jobs))
     status, output = torchrun(["--nproc-per-node", "4", "--master-port", free_port(),
                                "tests/worker_family_layout.py", tmp / "jobs.json", PROMPT,
                                *LAYOUT])
     assert status == 0, output[-4000:]
-    return {ckpt: torch.load(job["out"]) for ckpt, job in zip(checkpoints, jobs)}
+    out["layout"] = {job["load"]: job["out"] for job in jobs}
+    return out
+
+
+@pytest.fixture(scope="module")
+def families(gpt_data, tmp_path_factory):
+    return _once(tmp_path_factory, "families", lambda tmp: _build(tmp, gpt_data))
+
+
+def _under_layout(families, ckpt):
+    """The checkpoint's logits and greedy ids under TP2 x PP2 x EP2."""
+    return torch.load(families["layout"][ckpt])
 
 
 def _project_logits(ckpt, sequences, out):
@@ -159,101 +177,106 @@ def _project_logits(ckpt, sequences, out):
     return torch.load(out)
 
 
+def _transformers(directory):
+    name = json.loads((Path(directory) / "config.json").read_text())["architectures"][0]
+    return getattr(transformers, name).from_pretrained(directory, dtype=torch.float32,
+                                                       output_loading_info=True)
+
+
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_import_has_transformers_logits_on_one_rank_and_under_tp_pp_ep(
-        model_type, imported, under_layout, gpt_data, tmp_path):
-    model, _, ckpt, printed = imported[model_type]
+        model_type, families, tmp_path):
+    made, sequences = families["imported"][model_type], families["sequences"]
     for flags in FAMILIES[model_type][2]:
-        assert flags in printed, printed
-    sequences = _sequences(gpt_data)
+        assert flags in made["printed"], made["printed"]
+    model, _ = _transformers(made["original"])
+    assert type(model).__name__ == FAMILIES[model_type][0]
     with torch.no_grad():
         theirs = model(torch.tensor(sequences)).logits
     assert theirs.abs().max() > 0.5  # weights that make the logits depend on every tensor
-    one = _project_logits(ckpt, sequences, tmp_path / "logits.pt")[..., :COMMON["vocab_size"]]
-    assert (one - theirs).abs().max() <= 1e-4
-    assert (under_layout[ckpt]["logits"] - theirs).abs().max() <= 1e-4
+    one = _project_logits(made["ckpt"], sequences, tmp_path / "logits.pt")
+    assert (one[..., :COMMON["vocab_size"]] - theirs).abs().max() <= 1e-4
+    assert (_under_layout(families, made["ckpt"])["logits"] - theirs).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_greedy_generation_is_transformers(model_type, imported, under_layout):
-    model, _, ckpt, _ = imported[model_type]
+def test_greedy_generation_is_transformers(model_type, families):
+    made = families["imported"][model_type]
     status, output = torchrun(["--nproc-per-node", "1", "--master-port", free_port(),
-                               "tools/generate.py", "--load-dir", ckpt, "--prompt", PROMPT,
-                               "--max-new-tokens", "20"])
+                               "tools/generate.py", "--load-dir", made["ckpt"], "--prompt",
+                               PROMPT, "--max-new-tokens", "20"])
     assert status == 0, output[-3000:]
     lines = output.splitlines()
     prompt = [int(i) for i in next(l for l in lines if l.startswith("prompt ids: ")).split()[2:]]
     ours = [int(i) for i in next(l for l in lines if l.startswith("ids: ")).split()[1:]]
+    model, _ = _transformers(made["original"])
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)
     theirs = out[0, len(prompt):].tolist()
     assert len(ours) == 20 or ours[-1] == model.config.eos_token_id
     assert ours == theirs
-    assert under_layout[ckpt]["ids"] == theirs
+    assert _under_layout(families, made["ckpt"])["ids"] == theirs
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_export_of_the_import_is_bit_exact(model_type, imported):
-    _, original, _, printed = imported[model_type]
-    assert f"{FAMILIES[model_type][0]}, with its tokenizer" in printed
-    before = load_file(original / "model.safetensors")
-    after = load_file(original.with_name(f"{model_type}_back") / "model.safetensors")
+def test_export_of_the_import_is_bit_exact(model_type, families):
+    made = families["imported"][model_type]
+    assert f"{FAMILIES[model_type][0]}, with its tokenizer" in made["printed"]
+    before = load_file(Path(made["original"]) / "model.safetensors")
+    after = load_file(Path(made["back"]) / "model.safetensors")
     assert sorted(before) == sorted(after)
     for key, tensor in before.items():
         assert torch.equal(tensor, after[key]), key
 
 
 @pytest.mark.parametrize("model_type", TRAINED)
-def test_trained_model_exports_to_its_family(model_type, trained, under_layout, gpt_data):
-    _, ckpt, hf = trained[model_type]
-    name = FAMILIES[model_type][0]
-    model, info = getattr(transformers, name).from_pretrained(hf, dtype=torch.float32,
-                                                              output_loading_info=True)
+def test_trained_model_exports_to_its_family(model_type, families):
+    made = families["trained"][model_type]
+    model, info = _transformers(made["hf"])
+    assert type(model).__name__ == FAMILIES[model_type][0]
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     with torch.no_grad():
-        theirs = model(torch.tensor(_sequences(gpt_data))).logits
+        theirs = model(torch.tensor(families["sequences"])).logits
     # saved under TP2 x EP2 with SP, loaded on one rank (the export) and under TP2 x PP2 x EP2
-    assert (under_layout[ckpt]["logits"] - theirs).abs().max() <= 1e-4
+    assert (_under_layout(families, made["ckpt"])["logits"] - theirs).abs().max() <= 1e-4
 
 
-def test_transformers_4_loads_the_exports(imported, trained, gpt_data):
-    """The exports (of the imports and of the trained models) load in transformers 4.x (make
-    setup installs one beside 5.x) as the same class with 5.x's logits."""
-    sequences = _sequences(gpt_data)
-    directories = [str(original.with_name(f"{t}_back")) for t, (_, original, _, _)
-                   in imported.items()] + [str(hf) for _, _, hf in trained.values()]
+def test_transformers_4_loads_the_exports(families):
+    """The exports of the imports load in transformers 4.x (make setup installs one beside
+    5.x) as the same class with 5.x's logits."""
+    sequences = families["sequences"]
+    directories = [made["back"] for made in families["imported"].values()]
     run = subprocess.run(
         [sys.executable, "tests/worker_transformers4.py",
-         json.dumps([[d, sequences, ["The module"]] for d in directories])],
+         json.dumps([[d, sequences, [PROMPT]] for d in directories])],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONPATH": str(ROOT / ".venv" / "transformers4"),
              "PYTHONWARNINGS": "ignore"})
     assert run.returncode == 0, run.stderr[-3000:]
     old = json.loads(run.stdout.splitlines()[-1])
-    for directory, model_type in zip(directories, [*imported, *trained]):
-        name = FAMILIES[model_type][0]
-        model = getattr(transformers, name).from_pretrained(directory, dtype=torch.float32)
+    for directory in directories:
+        model, _ = _transformers(directory)
         with torch.no_grad():
             new = model(torch.tensor(sequences)).logits
-        assert old[directory]["class"] == name
+        assert old[directory]["class"] == type(model).__name__
         assert (torch.tensor(old[directory]["logits"]) - new).abs().max() <= 1e-5, directory
 
 
-def test_qk_layernorm_and_qkv_bias_resume_under_another_layout(trained, gpt_data, tmp_path):
+def test_qk_layernorm_and_qkv_bias_resume_under_another_layout(families, gpt_data, tmp_path):
     """Saved at iteration 2 under TP2 x EP2 with SP, resumed under PP2 on 2 ranks: the same
     iterations 3 and 4."""
-    run, ckpt, _ = trained["qwen3_moe"]
+    made = families["trained"]["qwen3_moe"]
     at_2 = tmp_path / "at_2"
     at_2.mkdir()
-    (at_2 / "iter_0000002").symlink_to(ckpt / "iter_0000002")
+    (at_2 / "iter_0000002").symlink_to(Path(made["ckpt"]) / "iter_0000002")
     (at_2 / "latest_checkpointed_iteration.txt").write_text("2")
     flags = {**SHAPE, **TRAINED["qwen3_moe"], "pipeline-model-parallel-size": 2,
              "load": at_2, "save-interval": None}
     resumed = launch(2, tiny_gpt_args(gpt_data, **flags), tmp_path)
     assert resumed.returncode == 0, resumed.output[-4000:]
     assert f"resumed from {at_2} at iteration 2" in resumed.output, resumed.output[-4000:]
-    assert len(run.loss()) == 4 and len(resumed.loss()) == 2
-    assert max_relative(resumed.loss(), run.loss()[2:]) < 1e-3
+    assert len(made["losses"]) == 4 and len(resumed.loss()) == 2
+    assert max_relative(resumed.loss(), made["losses"][2:]) < 1e-3
 
 
 # --- refusals: one line, nothing written ----------------------------------------------------

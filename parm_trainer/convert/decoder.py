@@ -263,9 +263,10 @@ def check_zeros(read: Callable, present, shape: Shape, target: Target) -> None:
                                 f"project's model has no such tensor")
 
 
-def to_hf(state: dict, shape: Shape, target: Target, vocab_size: int) -> dict:
+def to_hf(state: dict, shape: Shape, target: Target, vocab_size: int, zeros_of=None) -> dict:
     """The target's tensors (the first vocab_size embedding rows) of a one-rank state dict, or
-    of a part of one (the rules whose tensor it holds, the zeros of the layers it holds)."""
+    of a part of one: the rules whose tensor it holds, and the zeros of the layers zeros_of
+    names (by default those it holds a tensor of). Views of state's tensors where they can be."""
     import torch
 
     out = {}
@@ -273,7 +274,7 @@ def to_hf(state: dict, shape: Shape, target: Target, vocab_size: int) -> dict:
         if rule.ours in state:
             out.update(zip(rule.theirs, rule.split(state[rule.ours])))
     like = next(iter(state.values()))
-    held = {layer_of(name) for name in state} - {None}
+    held = {layer_of(name) for name in state} - {None} if zeros_of is None else zeros_of
     for name, size in zeros(shape, target, sorted(held)).items():
         out[name] = torch.zeros(size, dtype=like.dtype, device=like.device)
     return {key: value.detach().contiguous() for key, value in out.items()}

@@ -51,13 +51,13 @@ def export_to_hf(load_dir: str, save_dir: str,
     path = latest(load_dir)
     description = files.read_description(path)
     args = description["args"]
+    kind = tokenizer_files.exported_kind(args, load_dir)
     if description.get("model", "gpt") == "bert":
-        if (args.get("tokenizer_type") or "SentencePieceTokenizer") == "HuggingFaceTokenizer":
+        if kind != tokenizer_files.SENTENCEPIECE:
             raise ConvertError(f"--load-dir {load_dir}: a BERT exports with a SentencePiece "
                                f"tokenizer only")
         from parm_trainer.convert.hf_bert import export_bert_dir
 
-        tokenizer_files.of_checkpoint(path, args)  # refuses the kinds no export carries
         return export_bert_dir(load_dir, save_dir, description)
     check_exportable(args)
     target = target_of(args)
@@ -104,18 +104,23 @@ def _uncovered(model, every_rule: list) -> None:
 
 
 def _write_weights(model, path: str, shape, target, vocab: int, out: str, max_bytes: int):
-    """The Hugging Face tensors, a part of the model (a layer) read at a time, into shards."""
+    """The Hugging Face tensors, a part of the model read at a time (a layer's tensors up to a
+    quarter shard), into shards of at most max_bytes."""
     from parm_trainer.convert.hf_files import ShardWriter
     from parm_trainer.convert.stream_checkpoint import parts, read_pieces, tensors_of
 
     _uncovered(model, rules(shape, target))
-    meta, groups = tensors_of(model), parts(model)
-    plan = [(name, list(tensor.shape), tensor.dtype) for names in groups for name, tensor in
-            to_hf({n: meta[n] for n in names}, shape, target, vocab).items()]
+    meta, pieces, seen = tensors_of(model), [], set()
+    for layer, names in parts(model, max_bytes // 4):
+        pieces.append((names, [] if layer is None or layer in seen else [layer]))
+        seen.add(layer)
+    plan = [(name, list(tensor.shape), tensor.dtype) for names, zeros_of in pieces
+            for name, tensor in to_hf({n: meta[n] for n in names}, shape, target, vocab,
+                                      zeros_of).items()]
     writer = ShardWriter(out, plan, max_bytes)
-    for names in groups:
-        for name, tensor in to_hf(read_pieces(path, model, names), shape, target,
-                                  vocab).items():
+    for names, zeros_of in pieces:
+        for name, tensor in to_hf(read_pieces(path, model, names), shape, target, vocab,
+                                  zeros_of).items():
             writer.write(name, tensor)
     writer.close()
 

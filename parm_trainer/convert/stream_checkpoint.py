@@ -85,14 +85,19 @@ class LazySave(TorchDistSaveShardedStrategy):
         self._last = (None, None)
 
 
-def parts(model) -> list:
-    """The model's tensor names in the pieces an export reads: a layer's together, every other
-    tensor (embedding, final norm, output layer) alone; in state dict order."""
-    grouped = {}
-    for name in tensors_of(model):
-        layer = layer_of(name)
-        grouped.setdefault(name if layer is None else layer, []).append(name)
-    return list(grouped.values())
+def parts(model, budget: int) -> list:
+    """The model's tensor names in the pieces an export reads, in state dict order: a layer's
+    tensors together up to budget bytes (one at least), every other tensor (embedding, final
+    norm, output layer) alone. A part is (its layer or None, its names)."""
+    out, size = [], 0
+    for name, tensor in tensors_of(model).items():
+        layer, nbytes = layer_of(name), tensor.numel() * 4  # read as float32
+        if layer is None or not out or out[-1][0] != layer or size + nbytes > budget:
+            out.append((layer, []))
+            size = 0
+        out[-1][1].append(name)
+        size += nbytes
+    return out
 
 
 def _whole_rank(piece):

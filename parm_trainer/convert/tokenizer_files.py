@@ -62,8 +62,8 @@ def _sentencepiece(path: str) -> Tokenizer:
 def _hugging_face(directory: str) -> Tokenizer:
     if not os.path.isfile(os.path.join(directory, TOKENIZER_JSON)):
         raise TokenizerChoiceError(
-            f"--tokenizer-model {directory} holds no {TOKENIZER_JSON}: HuggingFaceTokenizer "
-            f"converts a fast tokenizer as transformers saves it (tokenizer.save_pretrained)")
+            f"{directory} holds no {TOKENIZER_JSON}: HuggingFaceTokenizer converts a fast "
+            f"tokenizer as transformers saves it (tokenizer.save_pretrained)")
     from parm_trainer.data.hf_tokenizer import HuggingFaceTokenizer
     from parm_trainer.errors import TokenizerError
 
@@ -122,17 +122,24 @@ def padded_rows(tokenizer: Tokenizer, embedding_rows: int) -> int:
     return padded
 
 
-def of_checkpoint(path: str, args: dict) -> Tokenizer:
-    """The tokenizer a checkpoint's run.json names, read from the copy it carries."""
-    from parm_trainer.training.checkpoint.files import tokenizer_copy
-
+def exported_kind(args: dict, load_dir: str) -> str:
+    """The kind of tokenizer a checkpoint's run.json names, refused where no export carries it
+    (before anything is read)."""
     kind = args.get("tokenizer_type") or SENTENCEPIECE
     if kind == "Llama2Tokenizer":
         kind = SENTENCEPIECE
     if kind not in KINDS:
         raise TokenizerChoiceError(
-            f"--load-dir {os.path.dirname(path)} was trained with --tokenizer-type {kind}; the "
-            f"Hugging Face export carries SentencePiece and HuggingFaceTokenizer tokenizers only")
+            f"--load-dir {load_dir} was trained with --tokenizer-type {kind}; the Hugging Face "
+            f"export carries SentencePiece and HuggingFaceTokenizer tokenizers only")
+    return kind
+
+
+def of_checkpoint(path: str, args: dict) -> Tokenizer:
+    """The tokenizer a checkpoint's run.json names, read from the copy it carries."""
+    from parm_trainer.training.checkpoint.files import tokenizer_copy
+
+    kind = exported_kind(args, os.path.dirname(path))
     copy = os.path.join(path, tokenizer_copy(args.get("tokenizer_type"), "tokenizer_model"))
     return _hugging_face(copy) if kind == HUGGING_FACE else _sentencepiece(copy)
 

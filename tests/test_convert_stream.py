@@ -7,7 +7,8 @@ copy); tools/generate.py continues a prompt from it with transformers' ids and t
 greedy tokens; it exports back in shards, bit for bit, with the tokenizer AutoTokenizer reads
 alike and its bos/eos in config.json and generation_config.json. A larger Mixtral (8 shards)
 converts both ways with the peak resident memory of the converting process within 2.5 of its
-largest shard above the same process without a model (its imports done). Refusals are one
+largest shard above the same process without a model (its imports done). Which tokenizer an
+import carries where a directory holds tokenizer.model, tokenizer.json or both. Refusals are one
 line.
 """
 
@@ -208,3 +209,28 @@ def test_convert_tokenizer_refusals(entry, hf_dir, tmp_path, capsys):
     ]:
         assert_refused(main, argv, capsys, status, *needles)
         assert not out.exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_which_tokenizer_an_import_carries(gpt_data, hf_dir, tmp_path):
+    """A directory with tokenizer.model and tokenizer.json (as transformers saves a
+    SentencePiece model's, and this project's exports) imports SentencePiece, unless
+    --tokenizer-type HuggingFaceTokenizer; with tokenizer.json alone, HuggingFaceTokenizer."""
+    from parm_trainer.convert.tokenizer_files import choose, padded_rows
+
+    both, json_only = tmp_path / "both", tmp_path / "json_only"
+    for directory in (both, json_only):
+        directory.mkdir()
+        for name in TOKENIZER_FILES:
+            if (hf_dir / name).exists():
+                shutil.copyfile(hf_dir / name, directory / name)
+    shutil.copyfile(gpt_data["tokenizer"], both / "tokenizer.model")
+    sentencepiece = choose(str(both), None, None)
+    assert (sentencepiece.kind, sentencepiece.path) == ("SentencePieceTokenizer",
+                                                        str(both / "tokenizer.model"))
+    assert sentencepiece.size == 2000 and padded_rows(sentencepiece, 2000) == 2048
+    for directory, kind in ((both, "HuggingFaceTokenizer"), (json_only, None)):
+        chosen = choose(str(directory), None, kind)
+        reference = AutoTokenizer.from_pretrained(hf_dir)
+        assert (chosen.kind, chosen.path) == ("HuggingFaceTokenizer", str(directory))
+        assert (chosen.size, chosen.bos, chosen.eos) == (
+            len(reference), reference.bos_token_id, reference.eos_token_id)

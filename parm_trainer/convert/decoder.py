@@ -142,6 +142,8 @@ class Target:
     expert: Callable  # e -> (gate, up, down) names under the layer
     dense: tuple  # (gate, up, down) of a dense layer's MLP, under the layer
     zeros: Callable  # (shape, layer index) -> {name: tensor shape}: what the model lacks
+    # (shape, layer index) -> more Rules of that layer: tensors only some classes have
+    extra: Callable = lambda shape, i: ()
 
 
 @dataclass(frozen=True)
@@ -238,6 +240,7 @@ def rules(shape: Shape, target: Target, vocab_size=None, padded_vocab_size=None)
             gate, up, down = (theirs + name for name in target.dense)
             out += [glu(ours + "mlp.linear_fc1.weight", gate, up),
                     same(ours + "mlp.linear_fc2.weight", down)]
+        out += list(target.extra(shape, i))
     out.append(same("decoder.final_layernorm.weight", "model.norm.weight"))
     if not shape.tied:
         out.append(_rows("output_layer.weight", "lm_head.weight", vocab_size, padded_vocab_size))

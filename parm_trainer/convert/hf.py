@@ -12,7 +12,7 @@ shape and place in a checkpoint, no data). An import makes each checkpoint tenso
 Hugging Face tensors its rule (decoder.py) names when the checkpoint writer writes it
 (stream_checkpoint.LazySave), reading them one at a time from the shards
 model.safetensors.index.json names; an export reads the checkpoint a layer at a time
-(stream_checkpoint.read_pieces) and writes shards of at most max_shard_size with their index
+(stream_checkpoint.CheckpointReader) and writes shards of at most max_shard_size with their index
 (hf_files.ShardWriter). The tokenizer travels along (tokenizer_files.py). Both write into
 SAVE_DIR.partial and rename it to SAVE_DIR only when everything is written (output.py).
 """
@@ -107,7 +107,7 @@ def _write_weights(model, path: str, shape, target, vocab: int, out: str, max_by
     """The Hugging Face tensors, a part of the model read at a time (a layer's tensors up to a
     quarter shard), into shards of at most max_bytes."""
     from parm_trainer.convert.hf_files import ShardWriter
-    from parm_trainer.convert.stream_checkpoint import parts, read_pieces, tensors_of
+    from parm_trainer.convert.stream_checkpoint import CheckpointReader, parts, tensors_of
 
     _uncovered(model, rules(shape, target))
     meta, pieces, seen = tensors_of(model), [], set()
@@ -117,10 +117,9 @@ def _write_weights(model, path: str, shape, target, vocab: int, out: str, max_by
     plan = [(name, list(tensor.shape), tensor.dtype) for names, zeros_of in pieces
             for name, tensor in to_hf({n: meta[n] for n in names}, shape, target, vocab,
                                       zeros_of).items()]
-    writer = ShardWriter(out, plan, max_bytes)
+    writer, reader = ShardWriter(out, plan, max_bytes), CheckpointReader(path, model)
     for names, zeros_of in pieces:
-        for name, tensor in to_hf(read_pieces(path, model, names), shape, target, vocab,
-                                  zeros_of).items():
+        for name, tensor in to_hf(reader.read(names), shape, target, vocab, zeros_of).items():
             writer.write(name, tensor)
     writer.close()
 

@@ -10,8 +10,8 @@ what dist_checkpointing saves and loads.
   function only when torch's FileSystemWriter writes them: with one thread its serial loader
   resolves, writes and drops one tensor at a time. megatron's own writer resolves every tensor
   first (FileSystemWriterAsync.prepare_write_data), which would hold the whole model.
-- read_pieces loads the named tensors of such a model from a checkpoint of any layout, through
-  dist_checkpointing.load of that part of the sharded state dict alone.
+- CheckpointReader loads the named tensors of such a model from a checkpoint of any layout,
+  through dist_checkpointing.load of that part of the sharded state dict alone.
 """
 
 from __future__ import annotations
@@ -55,24 +55,24 @@ class LazySave(TorchDistSaveShardedStrategy):
 
     def __init__(self, model, make: Callable):
         super().__init__("torch_dist", 1, thread_count=1)
-        meta = tensors_of(model)
+        self._meta = tensors_of(model)
         # a piece of the sharded state dict is a view of one parameter: its storage names it
-        self._names = {tensor.untyped_storage()._cdata: name for name, tensor in meta.items()}
-        self._shapes = {name: tensor.shape for name, tensor in meta.items()}
+        self._names = {tensor.untyped_storage()._cdata: name
+                       for name, tensor in self._meta.items()}
         self._make, self._last = make, (None, None)
 
     def _tensor(self, name: str) -> torch.Tensor:
         if self._last[0] != name:  # a SwiGLU fc1 is written as two pieces, one after the other
             self._last = (None, None)
-            tensor = self._make(name)
-            if tensor.shape != self._shapes[name]:
+            tensor, meta = self._make(name), self._meta[name]
+            if tensor.shape != meta.shape:
                 raise ValueError(f"{name}: made with shape {list(tensor.shape)}, the model has "
-                                 f"{list(self._shapes[name])}")
-            self._last = (name, tensor.contiguous())
+                                 f"{list(meta.shape)}")
+            self._last = (name, tensor.to(meta.dtype).contiguous())
         return self._last[1]
 
     def _resolve(self, piece: torch.Tensor) -> torch.Tensor:
-        whole = self._tensor(self._names[piece.untyped_storage()._cdata]).to(piece.dtype)
+        whole = self._tensor(self._names[piece.untyped_storage()._cdata])
         return whole.as_strided(piece.size(), piece.stride(), piece.storage_offset())
 
     def save(self, sharded_state_dict, checkpoint_dir):
@@ -109,17 +109,26 @@ def _whole_rank(piece):
                                prepend_axis_num=0, axis_fragmentations=None)
 
 
-def read_pieces(path: str, model, names) -> dict:
-    """name -> float32 tensor, for the given names of a meta-device model, from the checkpoint
-    directory path (an iteration directory) of any layout."""
-    sharded = model.sharded_state_dict()
-    request, out = {}, {}
-    for name in names:
-        item = sharded[name]
-        assert not isinstance(item, ShardedObject), name
-        item.data = out[name] = torch.empty(item.data.shape, dtype=torch.float32)
-        built = item.build() if isinstance(item, ShardedTensorFactory) else item
-        request[name] = dict_list_map_inplace(_whole_rank, built)
-    # loaded in place: the pieces are views of out's tensors
-    dist_checkpointing.load(request, path, validate_access_integrity=False)
-    return out
+class CheckpointReader:
+    """Reads the named tensors of a meta-device model, as float32, from the checkpoint
+    directory path (an iteration directory) of any layout: read(names) -> {name: tensor}."""
+
+    def __init__(self, path: str, model):
+        self.path, self.sharded = path, model.sharded_state_dict()
+
+    def read(self, names) -> dict:
+        request, out, meta = {}, {}, {}
+        for name in names:
+            item = self.sharded[name]
+            assert not isinstance(item, ShardedObject), name
+            meta[name] = item.data
+            item.data = out[name] = torch.empty(item.data.shape, dtype=torch.float32)
+            built = item.build() if isinstance(item, ShardedTensorFactory) else item
+            request[name] = dict_list_map_inplace(_whole_rank, built)
+        try:
+            # loaded in place: the pieces are views of out's tensors
+            dist_checkpointing.load(request, self.path, validate_access_integrity=False)
+        finally:
+            for name, data in meta.items():  # the model's sharded state holds no data again
+                self.sharded[name].data = data
+        return out

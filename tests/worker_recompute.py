@@ -3,7 +3,7 @@
 argv[1]/cases.json: {"runs": [{"name", "model": "gpt"|"bert", "argv": [...]}]}. Each run is the
 entry point's own start-up (parm_trainer.training.initialize) and Trainer on its flags, the
 process groups reset between runs, and reports per run: each iteration's lm loss and grad
-norm, the peak bytes of saved activations over the first iteration (memory_probe's
+norm and seconds, the peak bytes of saved activations over the first iteration (memory_probe's
 SavedActivations), the bytes the MoE layers' collectives sent per iteration (Parm's ledger,
 comm.LEDGER), and the bytes of every all_to_all_single over the expert-parallel group (the
 EP exchange of Parm's layer and of megatron-core's alltoall dispatcher alike).
@@ -12,6 +12,7 @@ EP exchange of Parm's layer and of megatron-core's alltoall dispatcher alike).
 import functools
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -54,10 +55,11 @@ def _train(run, entries):
     if bert:
         forward_step = functools.partial(forward_step, binary_head=args.bert_binary_head)
         names = ("lm loss", "sop loss") if args.bert_binary_head else names
-    seen = {"lm loss": [], "grad norm": [], "peak": None}
+    seen = {"lm loss": [], "grad norm": [], "peak": None, "seconds": []}
 
     class Recording(Trainer):
         def train_step(self, iterator, report_moe=True):
+            start = time.perf_counter()
             probe = SavedActivations(self.model) if seen["peak"] is None else None
             if probe is not None:
                 with probe:
@@ -65,6 +67,7 @@ def _train(run, entries):
                 seen["peak"] = probe.peak_bytes
             else:
                 metrics = super().train_step(iterator, report_moe)
+            seen["seconds"].append(time.perf_counter() - start)
             for name in ("lm loss", "grad norm"):
                 seen[name].append(float(metrics[name]))
             return metrics

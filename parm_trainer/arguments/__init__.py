@@ -22,10 +22,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from parm_trainer.arguments import recompute
 from parm_trainer.arguments.checks import check
 from parm_trainer.arguments.flags import add_bert_args, build_parser, default_tokenizer_type
 from parm_trainer.arguments.megatron_only import notes
+from parm_trainer.arguments.recompute import settle as settle_recompute
 from parm_trainer.arguments.round_trip import command_line, model_argument_names
 from parm_trainer.errors import ArgumentsError
 
@@ -69,7 +69,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, extra_args_provider=None,
         args.start_notes.append(f"--attention-backend {args.attention_backend}: megatron-core's "
                                 f"unfused DotProductAttention runs under --transformer-impl local")
     check(args)
-    recompute.settle(args)
+    settle_recompute(args)
     return args
 
 

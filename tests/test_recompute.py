@@ -9,7 +9,8 @@ MoE layers (--moe-layer-freq 2) and a shared expert:
   --recompute-activations give the losses and grad norms of the run without recomputation bit
   for bit, GPT and BERT.
 - 4 ranks, TP2 x EP2 x ESP2 with sequence parallelism, Parm's s1, s2 and baseline and
-  megatron's layer; and PP2 with two virtual stages (EP2): within 1e-6 relative. Parm's
+  megatron's layer; micro-batches in pairs (--overlap-moe-expert-parallel-comm); and PP2
+  with two virtual stages (EP2): within 1e-6 relative. Parm's
   "moe" recompute (and "mlp" among the dense modules: not Parm's layer's) sends what the run without
   recompute sends, byte for byte (Parm's ledger and every EP all_to_all_single), while
   megatron's module recompute repeats its exchange as full recompute does: about 1.5 x its EP
@@ -37,6 +38,8 @@ RECOMPUTE = {
                        "shared_experts"],
     "dense_modules": ["--recompute-granularity", "selective", "--recompute-modules",
                       "core_attn", "layernorm", "mlp", "shared_experts"],
+    "attn_mlp_shared": ["--recompute-granularity", "selective", "--recompute-modules",
+                        "core_attn", "mlp", "shared_experts"],
     "moe_layer_recompute": ["--moe-layer-recompute"],
     "recompute_activations": ["--recompute-activations"],
     "moe_act": ["--recompute-granularity", "selective", "--recompute-modules", "moe_act"],
@@ -131,6 +134,8 @@ def test_each_choice_matches_on_four_ranks_and_moe_recompute_sends_nothing_more(
                       ["none", "moe"])
             + runs_of("megatron", "gpt", gpt(**{"moe-parm-schedule": "megatron"}),
                       ["none", "moe", "full_uniform"])
+            + runs_of("pairs", "gpt", gpt(**{"overlap-moe-expert-parallel-comm": True}),
+                      ["none", "moe", "attn_mlp_shared"])
             + runs_of("pp2_vp2", "gpt", pipeline, ["none", "full_uniform_1", "full_block",
                                                    "moe"])
             + runs_of("bert", "bert", bert, ["none", "moe"]))

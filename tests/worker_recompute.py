@@ -4,7 +4,7 @@ argv[1]/cases.json: {"runs": [{"name", "model": "gpt"|"bert", "argv": [...]}]}. 
 entry point's own start-up (parm_trainer.training.initialize) and Trainer on its flags, the
 process groups reset between runs, and reports per run: each iteration's lm loss and grad
 norm and seconds, the peak bytes of saved activations over the first iteration (memory_probe's
-SavedActivations), the bytes the MoE layers' collectives sent per iteration (Parm's ledger,
+SavedActivations) and the start-up estimate of them (planning/memory_estimate.py), the bytes the MoE layers' collectives sent per iteration (Parm's ledger,
 comm.LEDGER), and the bytes of every all_to_all_single over the expert-parallel group (the
 EP exchange of Parm's layer and of megatron-core's alltoall dispatcher alike).
 """
@@ -77,6 +77,10 @@ def _train(run, entries):
     trainer = Recording(args, entry.model_provider, entry.datasets_provider, forward_step, names)
     trainer.train()
     iterations = len(seen["lm loss"])
+    from megatron.core import parallel_state
+
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    seen["estimate"] = args.memory_estimate[stage]["activations"]  # the start-up estimate
     seen["ledger"] = {key: row["sent"] / iterations
                       for key, row in LEDGER.totals(per_phase=True).items()}
     seen["ep_a2a"] = _EP_A2A["bytes"] / iterations

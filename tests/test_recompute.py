@@ -115,7 +115,9 @@ def test_each_choice_gives_the_losses_bit_for_bit_on_one_rank(tmp_path, gpt_data
             assert run["lm loss"] == plain["lm loss"], (group, choice, run, plain)
             # the norm is a sum whose order may vary between runs (seen once at 6e-8)
             assert relative(run["grad norm"], plain["grad norm"]) < 1e-6, (group, choice)
-            assert abs(run["estimate"] / run["peak"] / plain_ratio - 1) < 0.03, (group, choice)
+            if choice not in ("layernorm", "moe_act"):  # unpriced: planning/recompute_cost.py
+                assert abs(run["estimate"] / run["peak"] / plain_ratio - 1) < 0.03, (group,
+                                                                                    choice)
             # every choice keeps fewer activations (the layer norm's discarded output is still
             # counted by the probe, which sees what autograd saved)
             if choice != "layernorm":

@@ -51,7 +51,8 @@ NO_CUDA = "Torch not compiled with CUDA enabled"
 # The test(s) covering each patch; test_every_patch_is_covered keeps this in step with PATCHES.
 COVERAGE = {
     "patch_type_strings": ("test_type_strings_still_needed", "test_type_strings_patched"),
-    "patch_rng_tracker": ("test_rng_tracker_still_needed", "test_rng_tracker_patched"),
+    "patch_rng_tracker": ("test_rng_tracker_still_needed", "test_rng_tracker_patched",
+                          "test_rng_checkpoint_replays_dropout"),
     "patch_uneven_all_gather": (
         "test_uneven_gather_still_needed",
         "test_uneven_reduce_scatter_works_unpatched",
@@ -74,6 +75,10 @@ COVERAGE = {
         "test_cuda_literals_still_needed",
         "test_cuda_literals_module_still_has_literal",
         "test_cuda_literals_patched",
+    ),
+    "patch_checkpoint_without_output_fp8": (
+        "test_checkpoint_without_output_still_needed",
+        "test_checkpoint_without_output_patched",
     ),
     "patch_moe_utils_te_general_gemm": (
         "test_moe_utils_te_general_gemm_still_needed",
@@ -171,6 +176,8 @@ def test_rng_tracker_still_needed(unpatched_failures):
     """CudaRNGStatesTracker.add and model_parallel_cuda_manual_seed read the CUDA RNG state."""
     assert_fails(unpatched_failures, "rng_tracker_add", NO_CUDA, "torch.cuda.get_rng_state()")
     assert_fails(unpatched_failures, "rng_manual_seed", NO_CUDA, "torch.cuda.get_rng_state()")
+    assert_fails(unpatched_failures, "rng_checkpoint", NO_CUDA,
+                 "torch.cuda.random.get_rng_state(device=device)")
 
 
 def test_rng_tracker_patched(patched):
@@ -206,7 +213,6 @@ def test_rng_tracker_patched(patched):
     with pytest.raises(Exception, match="is not added"):
         with tracker.fork("missing"):
             pass
-
 
 
 # --- patch_split_sizes_to_numpy (its all_to_all on two ranks: test_compat_cpu_collectives.py) ----
@@ -381,6 +387,15 @@ def test_cuda_literals_patched(patched, one_rank_gloo):
         torch.testing.assert_close(param.detach(), (ref - 0.1 * ref.grad).detach())
 
 
+# --- patch_checkpoint_without_output_fp8 -----------------------------------------------------
+
+
+def test_checkpoint_without_output_still_needed(unpatched_failures):
+    """Without Transformer Engine, CheckpointWithoutOutput() takes itself for FP8."""
+    assert_fails(unpatched_failures, "checkpoint_without_output", "NameError",
+                 "FP8GlobalStateManager")
+
+
 # --- patch_moe_utils_te_general_gemm ----------------------------------------------------------
 
 
@@ -448,8 +463,9 @@ def test_apply_is_idempotent(patched):
 
 
 def test_apply_with_cuda_available(unpatched_failures, monkeypatch):
-    """With CUDA available only the te_general_gemm patch (needed on any GPU without TE) applies."""
-    assert unpatched_failures["applied_with_cuda"] == ["patch_moe_utils_te_general_gemm"]
+    """With CUDA available only the patches needed on any GPU without TE apply."""
+    assert unpatched_failures["applied_with_cuda"] == ["patch_moe_utils_te_general_gemm",
+                                                       "patch_checkpoint_without_output_fp8"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for patch, needed in cpu.PATCHES:
         if needed is cpu.cuda_missing:
@@ -460,8 +476,10 @@ def test_every_patch_is_covered():
     """Each entry of PATCHES has its tests here, and each of those tests exists."""
     assert set(COVERAGE) == {patch.__name__ for patch, _ in cpu.PATCHES}
     import test_compat_cpu_collectives as on_two_ranks
+    import test_compat_cpu_recompute as recompute
 
-    defined = {name for name in [*globals(), *vars(on_two_ranks)] if name.startswith("test_")}
+    defined = {name for name in [*globals(), *vars(on_two_ranks), *vars(recompute)]
+               if name.startswith("test_")}
     for patch, tests in COVERAGE.items():
         missing = set(tests) - defined
         assert not missing, f"{patch}: {missing}"

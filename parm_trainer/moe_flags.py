@@ -76,6 +76,13 @@ def config_fields(args) -> dict:
     return {name: getattr(args, name) for name in CONFIG_FIELDS}
 
 
+def shared_experts_recomputed(args) -> bool:
+    """Whether --recompute-modules shared_experts is asked (megatron-core refuses it with the
+    overlapped shared expert, so a start-up choice must not overlap it)."""
+    return (getattr(args, "recompute_granularity", None) == "selective"
+            and "shared_experts" in (getattr(args, "recompute_modules", None) or ()))
+
+
 def problem(args) -> Optional[str]:
     """The first impossible combination of these flags, as one line; None if none (each
     value's own range is flag_ranges.py's)."""

@@ -26,8 +26,6 @@ RECIPE_FLAG_CASES = [
      ["--context-parallel-size 2 is not supported here: no context parallelism"]),
     ("megatron_flex_dispatcher", 1, ["--moe-token-dispatcher-type", "flex"], 1,
      ["--moe-token-dispatcher-type flex is not supported here: use --moe-parm-schedule auto"]),
-    ("megatron_recompute", 1, ["--recompute-granularity", "full"], 1,
-     ["--recompute-granularity full is not supported here: no activation recomputation yet"]),
     ("megatron_ckpt_format", 1, ["--ckpt-format", "torch"], 1,
      ["--ckpt-format torch is not supported here: checkpoints are megatron-core's torch_dist"]),
     ("overlap_param_gather_alone", 2, ["--overlap-param-gather", "--overlap-grad-reduce"], 1,
@@ -109,6 +107,41 @@ RECIPE_FLAG_CASES = [
       "20"], 1,
      ["the interleaved schedule needs the micro-batches of every iteration to be a multiple of "
       "--pipeline-model-parallel-size 2: --rampup-batch-size increment 1 is 1"]),
+]
+# activation recomputation (parm_trainer/arguments/recompute.py), on 2 layers
+RECIPE_FLAG_CASES += [
+    ("recompute_method_without_full", 1, ["--recompute-method", "uniform"], 1,
+     ["--recompute-method uniform needs --recompute-granularity full"]),
+    ("recompute_full_without_method", 1, ["--recompute-granularity", "full"], 1,
+     ["--recompute-granularity full needs --recompute-method uniform or block"]),
+    ("recompute_num_layers_out_of_range", 1, ["--recompute-granularity", "full",
+                                              "--recompute-method", "block",
+                                              "--recompute-num-layers", "3"], 1,
+     ["--recompute-num-layers 3 is out of range: with --recompute-granularity full it must be "
+      "between 1 and the layers per pipeline stage, 2"]),
+    ("recompute_num_layers_selective", 1, ["--recompute-granularity", "selective",
+                                           "--recompute-num-layers", "1"], 1,
+     ["--recompute-num-layers 1 needs --recompute-granularity full"]),
+    ("recompute_unknown_module", 1, ["--recompute-granularity", "selective",
+                                     "--recompute-modules", "attention"], 1,
+     ["--recompute-modules attention: unknown; choose from core_attn, moe_act, layernorm"]),
+    ("recompute_moe_act_sequential", 1, ["--recompute-granularity", "selective",
+                                         "--recompute-modules", "moe_act"], 1,
+     ["--recompute-modules moe_act needs --moe-grouped-gemm"]),
+    ("recompute_mla_up_proj", 1, ["--recompute-granularity", "selective",
+                                  "--recompute-modules", "mla_up_proj"], 1,
+     ["--recompute-modules mla_up_proj needs multi-latent attention"]),
+    ("recompute_shared_overlapped", 1, ["--recompute-granularity", "selective",
+                                        "--recompute-modules", "shared_experts",
+                                        "--moe-shared-expert-intermediate-size", "64",
+                                        "--moe-shared-expert-overlap"], 1,
+     ["--recompute-modules shared_experts cannot work with --moe-shared-expert-overlap"]),
+    ("moe_layer_recompute_full", 1, ["--moe-layer-recompute", "--recompute-granularity", "full",
+                                     "--recompute-method", "block",
+                                     "--recompute-num-layers", "1"], 1,
+     ["--moe-layer-recompute with --recompute-granularity full"]),
+    ("recompute_modules_without_selective", 1, ["--recompute-modules", "moe"], 1,
+     ["--recompute-modules needs --recompute-granularity selective"]),
 ]
 
 

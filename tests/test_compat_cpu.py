@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from parm_trainer.compat import cpu
 
@@ -52,7 +51,8 @@ NO_CUDA = "Torch not compiled with CUDA enabled"
 # The test(s) covering each patch; test_every_patch_is_covered keeps this in step with PATCHES.
 COVERAGE = {
     "patch_type_strings": ("test_type_strings_still_needed", "test_type_strings_patched"),
-    "patch_rng_tracker": ("test_rng_tracker_still_needed", "test_rng_tracker_patched"),
+    "patch_rng_tracker": ("test_rng_tracker_still_needed", "test_rng_tracker_patched",
+                          "test_rng_checkpoint_replays_dropout"),
     "patch_uneven_all_gather": (
         "test_uneven_gather_still_needed",
         "test_uneven_reduce_scatter_works_unpatched",
@@ -75,6 +75,10 @@ COVERAGE = {
         "test_cuda_literals_still_needed",
         "test_cuda_literals_module_still_has_literal",
         "test_cuda_literals_patched",
+    ),
+    "patch_checkpoint_without_output_fp8": (
+        "test_checkpoint_without_output_still_needed",
+        "test_checkpoint_without_output_patched",
     ),
     "patch_moe_utils_te_general_gemm": (
         "test_moe_utils_te_general_gemm_still_needed",
@@ -112,17 +116,6 @@ def assert_fails(unpatched_failures, check, *fragments):
 @pytest.fixture(scope="module")
 def patched():
     return cpu.apply()
-
-
-@pytest.fixture(scope="module")
-def single_rank_gloo(patched):
-    """A one-rank gloo world, for megatron code that reduces over a process group."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    if created:
-        dist.destroy_process_group()
 
 
 def call_from_module(module_name, fn, *args):
@@ -183,6 +176,8 @@ def test_rng_tracker_still_needed(unpatched_failures):
     """CudaRNGStatesTracker.add and model_parallel_cuda_manual_seed read the CUDA RNG state."""
     assert_fails(unpatched_failures, "rng_tracker_add", NO_CUDA, "torch.cuda.get_rng_state()")
     assert_fails(unpatched_failures, "rng_manual_seed", NO_CUDA, "torch.cuda.get_rng_state()")
+    assert_fails(unpatched_failures, "rng_checkpoint", NO_CUDA,
+                 "torch.cuda.random.get_rng_state(device=device)")
 
 
 def test_rng_tracker_patched(patched):
@@ -218,7 +213,6 @@ def test_rng_tracker_patched(patched):
     with pytest.raises(Exception, match="is not added"):
         with tracker.fork("missing"):
             pass
-
 
 
 # --- patch_split_sizes_to_numpy (its all_to_all on two ranks: test_compat_cpu_collectives.py) ----
@@ -363,7 +357,7 @@ def test_cuda_literals_module_still_has_literal(patched, module_name):
     assert module.torch.nn is torch.nn
 
 
-def test_cuda_literals_patched(patched, single_rank_gloo):
+def test_cuda_literals_patched(patched, one_rank_gloo):
     """Listed modules make CPU tensors; torch elsewhere is untouched; FP32Optimizer steps on CPU."""
     assert torch.equal(get_default_causal_mask(5), torch.triu(torch.ones(5, 5), diagonal=1).bool())
     with pytest.raises((AssertionError, RuntimeError)):
@@ -384,13 +378,22 @@ def test_cuda_literals_patched(patched, single_rank_gloo):
         optimizer = FP32Optimizer(
             torch.optim.SGD(params, lr=0.1), OptimizerConfig(lr=0.1, clip_grad=1.0), None
         )
-    optimizer.tp_group = optimizer.grad_stats_parallel_group = single_rank_gloo
+    optimizer.tp_group = optimizer.grad_stats_parallel_group = one_rank_gloo
     assert torch.equal(optimizer.get_loss_scale(), torch.tensor([1.0]))
     success, grad_norm, _ = optimizer.step()
     assert success
     assert grad_norm == pytest.approx(ref_norm.item(), rel=1e-5)
     for param, ref in zip(params, reference):
         torch.testing.assert_close(param.detach(), (ref - 0.1 * ref.grad).detach())
+
+
+# --- patch_checkpoint_without_output_fp8 -----------------------------------------------------
+
+
+def test_checkpoint_without_output_still_needed(unpatched_failures):
+    """Without Transformer Engine, CheckpointWithoutOutput() takes itself for FP8."""
+    assert_fails(unpatched_failures, "checkpoint_without_output", "NameError",
+                 "FP8GlobalStateManager")
 
 
 # --- patch_moe_utils_te_general_gemm ----------------------------------------------------------
@@ -460,8 +463,9 @@ def test_apply_is_idempotent(patched):
 
 
 def test_apply_with_cuda_available(unpatched_failures, monkeypatch):
-    """With CUDA available only the te_general_gemm patch (needed on any GPU without TE) applies."""
-    assert unpatched_failures["applied_with_cuda"] == ["patch_moe_utils_te_general_gemm"]
+    """With CUDA available only the patches needed on any GPU without TE apply."""
+    assert unpatched_failures["applied_with_cuda"] == ["patch_moe_utils_te_general_gemm",
+                                                       "patch_checkpoint_without_output_fp8"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for patch, needed in cpu.PATCHES:
         if needed is cpu.cuda_missing:
@@ -472,8 +476,10 @@ def test_every_patch_is_covered():
     """Each entry of PATCHES has its tests here, and each of those tests exists."""
     assert set(COVERAGE) == {patch.__name__ for patch, _ in cpu.PATCHES}
     import test_compat_cpu_collectives as on_two_ranks
+    import test_compat_cpu_recompute as recompute
 
-    defined = {name for name in [*globals(), *vars(on_two_ranks)] if name.startswith("test_")}
+    defined = {name for name in [*globals(), *vars(on_two_ranks), *vars(recompute)]
+               if name.startswith("test_")}
     for patch, tests in COVERAGE.items():
         missing = set(tests) - defined
         assert not missing, f"{patch}: {missing}"

@@ -377,9 +377,6 @@ def test_pretrain_refuses_norms_across_heads_without_their_kind(entry, gpt_data,
 
 # --- the parameters the memory estimate counts -------------------------------------------------
 
-one_rank_world = test_models_init.one_rank_world  # a one-rank gloo world (a fixture)
-
-
 @pytest.mark.parametrize("extra", [
     [], ["--add-qkv-bias"], ["--qk-layernorm"], ["--qk-layernorm", "--normalization", "LayerNorm"],
     ["--qk-layernorm", "--qk-layernorm-across-heads", "--add-qkv-bias"],

@@ -52,6 +52,8 @@ errors = {
     "rng_tracker_add": failure(lambda: mrandom.CudaRNGStatesTracker().add("probe", 1)),
     "rng_manual_seed": failure(lambda: mrandom.model_parallel_cuda_manual_seed(
         1, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True)),
+    "rng_checkpoint": failure(lambda: mrandom.checkpoint(torch.sin, False,
+                                                         torch.ones(2, requires_grad=True))),
     "torch_norm_sequence_parallel": failure(lambda: WrappedTorchNorm(sp_config, 8)),
     "current_device": failure(lambda: torch.cuda.current_device()),
     "global_memory_buffer": failure(
@@ -69,6 +71,8 @@ errors = {
     "tensor_cuda": failure(lambda: torch.ones(2).cuda()),
     "te_general_gemm": failure(lambda: moe_utils.RouterGatingLinearFunction.apply(
         torch.ones(2, 4), torch.ones(3, 4), None, torch.float32)),
+    "checkpoint_without_output": failure(lambda: mrandom.CheckpointWithoutOutputFunction.apply(
+        torch.sin, mrandom.CheckpointWithoutOutput(), torch.ones(2, requires_grad=True))),
     "grouped_gemm": failure(lambda: __import__(
         "megatron.core.transformer.moe.grouped_gemm_util", fromlist=["x"]
     ).assert_grouped_gemm_is_available()),

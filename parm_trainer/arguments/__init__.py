@@ -11,6 +11,7 @@ argparse.Namespace with derived fields filled in (data-parallel size, number of 
     checks.py      the checks of parsed values (one ArgumentsError line each)
     round_trip.py  the model's flags, and the command line that gives a set of values
     megatron_only.py  Megatron-LM's flags with no effect here, or refused
+    recompute.py   activation recomputation's flags and checks
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from parm_trainer.arguments.checks import check
 from parm_trainer.arguments.flags import add_bert_args, build_parser, default_tokenizer_type
 from parm_trainer.arguments.megatron_only import notes
+from parm_trainer.arguments.recompute import settle as settle_recompute
 from parm_trainer.arguments.round_trip import command_line, model_argument_names
 from parm_trainer.errors import ArgumentsError
 
@@ -67,6 +69,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, extra_args_provider=None,
         args.start_notes.append(f"--attention-backend {args.attention_backend}: megatron-core's "
                                 f"unfused DotProductAttention runs under --transformer-impl local")
     check(args)
+    settle_recompute(args)
     return args
 
 

@@ -10,6 +10,7 @@ from typing import Callable, Optional
 
 from parm_trainer import error_line, moe_flags
 from parm_trainer.arguments.megatron_only import add_flags as add_megatron_only_flags
+from parm_trainer.arguments.recompute import add_flags as add_recompute_flags
 from parm_trainer.layer_pattern import moe_layer_freq
 
 # signals --exit-signal-handler can catch (Megatron-LM takes any name of signal.Signals)
@@ -460,7 +461,7 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
         description="parm_trainer: MoE pretraining on megatron-core with Parm's schedules.",
         allow_abbrev=False, formatter_class=_DefaultsShown)
     for add in (_model_group, _moe_group, _parallel_group, _training_group, _data_group,
-                _eval_ckpt_log_group):
+                _eval_ckpt_log_group, add_recompute_flags):
         add(parser)
     if extra_args_provider is not None:
         extra_args_provider(parser)

@@ -6,7 +6,7 @@ A user arrives with a Megatron-LM script; its flags must never end in argparse's
 - has no effect: a kernel fusion, a library choice or a setting this stack always takes; it is
   logged once at start-up ("has no effect here: why"), or
 - is refused before the process groups start, with one line saying it is not supported and
-  what to use instead (FP8, CUDA graphs, DeepEP, offloading, recomputation, ...).
+  what to use instead (FP8, CUDA graphs, DeepEP, offloading, ...).
 
 A few take a value that is this stack's own behaviour (`--context-parallel-size 1`,
 `--ckpt-format torch_dist`) and refuse the others. The rows below are data: the flag as
@@ -30,8 +30,6 @@ class Row(NamedTuple):
 
 _FUSION = "a kernel fusion choice; this stack picks its own kernels"
 _NO_FP8 = "FP8 needs Transformer Engine on Hopper or Blackwell GPUs; use --bf16 or --fp16"
-_NO_RECOMPUTE = ("no activation recomputation yet; lower --micro-batch-size or raise "
-                 "--pipeline-model-parallel-size (--memory-gb checks a layout's fit)")
 _NO_OFFLOAD = ("no activation offloading; lower --micro-batch-size or raise "
                "--pipeline-model-parallel-size")
 _NO_GRAPHS = "no CUDA graphs; leave the flag out"
@@ -101,11 +99,8 @@ ROWS = (
     Row("--use-precision-aware-optimizer", 0, "refused", _MOMENTS),
     Row("--moe-use-upcycling", 0, "refused", _NO_UPCYCLING),
     Row("--moe-upcycling-granularity", 1, "refused", _NO_UPCYCLING),
-    Row("--recompute-granularity", 1, "refused", _NO_RECOMPUTE),
-    Row("--recompute-method", 1, "refused", _NO_RECOMPUTE),
-    Row("--recompute-num-layers", 1, "refused", _NO_RECOMPUTE),
-    Row("--recompute-modules", "+", "refused", _NO_RECOMPUTE),
-    Row("--moe-layer-recompute", 0, "refused", _NO_RECOMPUTE),
+    Row("--distribute-saved-activations", 0, "refused", "the inputs that full recompute keeps "
+        "stay whole on each tensor-parallel rank; --sequence-parallel splits them"),
     Row("--mtp-num-layers", 1, "refused", "no multi-token prediction yet; leave the flag out"),
     Row("--fake-init-process-group", 0, "refused", "no fake process groups; "
         "tools/plan_layout.py prices a layout without the GPUs"),

@@ -25,7 +25,11 @@ def cuda_missing() -> bool:
 # megatron/core/tensor_parallel/random.py: CudaRNGStatesTracker.add/fork read and write
 # torch.cuda.get_rng_state(), which raises "Torch not compiled with CUDA enabled". The tracker
 # keeps separate streams for tensor-parallel and expert-parallel initialisation and dropout;
-# on CPU the same bookkeeping works on the CPU generator.
+# on CPU the same bookkeeping works on the CPU generator. Activation recomputation
+# (tensor_parallel.checkpoint, CheckpointWithoutOutput: _get_all_rng_states/_set_all_rng_states)
+# saves the CPU generator, the CUDA one (_get_cuda_rng_state: the same error) and the tracker's
+# streams, and restores them to replay dropout; without CUDA there is no CUDA generator, so its
+# slot holds None and is left alone (the CPU generator and the tracker's streams replay it).
 
 
 def _cpu_tracker_class():
@@ -71,6 +75,8 @@ def patch_rng_tracker() -> None:
         return
     mrandom.CudaRNGStatesTracker = _cpu_tracker_class()
     mrandom.initialize_rng_tracker(force_reset=True)
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
 # --- 2. torch norm under sequence parallelism ----------------------------------------------
@@ -256,6 +262,32 @@ def patch_moe_utils_te_general_gemm() -> None:
     moe_utils.te_general_gemm = None
 
 
+# --- 5b. output-discarding recomputation without Transformer Engine --------------------------
+# megatron/core/tensor_parallel/random.py: CheckpointWithoutOutput.__init__(fp8=False) sets
+# `self.fp8 = fp8 is not None`, True for its default, and CheckpointWithoutOutputFunction.forward
+# then calls FP8GlobalStateManager, which only Transformer Engine defines: NameError wherever
+# TransformerLayer (--recompute-modules layernorm) or GroupedMLP (moe_act) uses it without TE,
+# on a GPU too. FP8 needs Transformer Engine, so without it the flag is False.
+
+
+def checkpoint_fp8_name_missing() -> bool:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    return not mrandom.HAVE_TE and not hasattr(mrandom, "FP8GlobalStateManager")
+
+
+def patch_checkpoint_without_output_fp8() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    init = mrandom.CheckpointWithoutOutput.__init__
+
+    def __init__(self, fp8=False):
+        init(self, fp8)
+        self.fp8 = False  # no Transformer Engine, no FP8
+
+    mrandom.CheckpointWithoutOutput.__init__ = __init__
+
+
 # --- 6. split sizes for gloo's all_to_all_single -------------------------------------------
 # megatron/core/transformer/moe/moe_utils.py: maybe_move_tensor_to_cpu(t, as_numpy=True) only
 # converts when `t.is_cuda`; MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize relies on it
@@ -387,6 +419,7 @@ PATCHES = [
     (patch_cuda_device_streams_events, cuda_missing),
     (patch_cuda_literals, cuda_missing),
     (patch_moe_utils_te_general_gemm, te_general_gemm_missing),
+    (patch_checkpoint_without_output_fp8, checkpoint_fp8_name_missing),
     (patch_grouped_gemm, grouped_gemm_missing),
 ]
 

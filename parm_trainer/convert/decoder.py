@@ -6,21 +6,27 @@ tensor is whole): megatron-core's local layer names. The Hugging Face side is a 
 (`...experts.N.<projection>.weight`) that transformers 4.x loads as it is and 5.x converts on
 load (and writes itself in save_pretrained).
 
-Two layouts differ:
+The map is data: rules() lists every tensor of the project's model as a Rule, its name, the
+Hugging Face names it is made of, and a split and a merge between them; zeros() lists the
+Hugging Face tensors the model lacks. to_hf and from_hf apply the rules to a whole state dict;
+the streaming converters (hf.py) apply them one tensor, or one layer, at a time. Three rules
+are not renames:
 - attention: megatron keeps one fused QKV weight, grouped per key/value head: for each of the g
   groups, its n/g query heads, then its key head, then its value head (d rows each); Hugging
   Face has separate q_proj, k_proj, v_proj with heads in order (query head j uses key/value
   head j // (n/g), which is the same grouping);
   the QKV bias (--add-qkv-bias) is grouped the same way;
-- SwiGLU MLPs (experts, dense layers, the shared expert): megatron's fc1 is [gate; up] (the
-  first half goes through SiLU), Hugging Face has the gate and the up projection apart; fc2 is
-  the down one.
-The query/key norms (--qk-layernorm: q_norm, k_norm) and the shared expert's gate weight
-(megatron's sigmoid(x . gate_weight) times the shared expert's output, as Qwen2-MoE's
-shared_expert_gate) are the same tensors under other names. A Target may also have tensors
-the project's model does not (a Qwen2-MoE without a shared expert: one of width 0; the output
-projection's bias where a class has QKV biases only with it): they are written as zeros of
-the right shape, so the function is the same, and an import refuses them unless they are zero.
+- SwiGLU MLPs (experts, dense layers, a shared expert): megatron's fc1 is [gate; up] (the first
+  half goes through SiLU), Hugging Face has the gate and the up projection apart; fc2 is the
+  down one;
+- the embedding (and an untied output layer): the project pads its rows with zeros past the
+  Hugging Face vocabulary.
+The query/key norms (--qk-layernorm: the Target's qk_norm names) are renames. A Target gives
+the Rules of tensors only its class has as extra (Qwen2-MoE's shared expert and its sigmoid
+gate). A Target may also have tensors the project's model does not (a Qwen2-MoE without a
+shared expert: one of width 0; the output projection's bias where a class has QKV biases only
+with it): they are written as zeros of the right shape, so the function is the same, and an
+import refuses them unless they are zero.
 """
 
 from __future__ import annotations
@@ -155,7 +161,7 @@ class Shape:
     moe: tuple  # per layer: is it an MoE layer
     qkv_bias: bool = False
     qk_norm: bool = False  # per head (--qk-layernorm) or over all heads: the same names
-    shared: int = 0  # the shared expert's width (0: none)
+    shared_ffn: int = 0  # the shared expert's width (0: none)
     shared_gate: bool = False
 
     @property
@@ -170,7 +176,7 @@ def shape_of_args(args: dict) -> Shape:
                  not args["untie_embeddings_and_output_weights"],
                  tuple(bool(moe) for moe in pattern),
                  qkv_bias=bool(args.get("add_qkv_bias")), qk_norm=bool(args.get("qk_layernorm")),
-                 shared=args.get("moe_shared_expert_intermediate_size") or 0,
+                 shared_ffn=args.get("moe_shared_expert_intermediate_size") or 0,
                  shared_gate=bool(args.get("moe_shared_expert_gate")))
 
 
@@ -182,130 +188,174 @@ class Target:
     expert: Callable  # e -> (gate, up, down) names under the layer
     dense: tuple  # (gate, up, down) of a dense layer's MLP, under the layer
     zeros: Callable  # (shape, layer index) -> {name: tensor shape}: what the model lacks
-    shared: tuple = ()  # the shared expert's (gate, up, down, sigmoid gate), under the layer
-    qk_norm: tuple = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+    # (shape, layer index) -> more Rules of that layer: tensors only some classes have
+    extra: Callable = lambda shape, i: ()
+    qk_norm: tuple = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # under the layer
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One tensor of the project's model and the Hugging Face tensors it is made of, read
+    both ways: split(ours) gives theirs in order, merge([theirs in order]) gives ours."""
+    ours: str
+    theirs: tuple
+    split: Callable
+    merge: Callable
 
 
 def _layer(i: int) -> str:
     return f"model.layers.{i}."
 
 
-def _renames(shape: Shape, target: Target) -> list:
-    """(ours, theirs) for every tensor that is the same in both, layer by layer."""
-    pairs = [("decoder.final_layernorm.weight", "model.norm.weight")]
-    for i in range(shape.layers):
-        ours, theirs = f"decoder.layers.{i}.", _layer(i)
-        pairs += [(ours + "self_attention.linear_proj.weight", theirs + "self_attn.o_proj.weight"),
-                  (ours + "input_layernorm.weight", theirs + "input_layernorm.weight"),
-                  (ours + "pre_mlp_layernorm.weight", theirs + "post_attention_layernorm.weight")]
-        if shape.qk_norm:
-            pairs += [(ours + f"self_attention.{p}_layernorm.weight", theirs + name)
-                      for p, name in zip("qk", target.qk_norm)]
-        if shape.moe[i]:
-            pairs.append((ours + "mlp.router.weight", theirs + target.router))
-            pairs += [(f"{ours}mlp.experts.local_experts.{e}.linear_fc2.weight",
-                       theirs + target.expert(e)[2]) for e in range(shape.experts)]
-            if shape.shared:
-                pairs.append((ours + "mlp.shared_experts.linear_fc2.weight",
-                              theirs + target.shared[2]))
-            if shape.shared and shape.shared_gate:
-                pairs.append((ours + "mlp.shared_experts.gate_weight", theirs + target.shared[3]))
-        else:
-            pairs.append((ours + "mlp.linear_fc2.weight", theirs + target.dense[2]))
-    return pairs
+def layer_of(name: str):
+    """The layer index of a name on either side (decoder.layers.{i}. or model.layers.{i}.),
+    else None (embedding, final norm, output layer)."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit():
+        return int(parts[2])
+    return None
 
 
-def _vocabulary(shape: Shape) -> list:
-    pairs = [("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
-    if not shape.tied:
-        pairs.append(("output_layer.weight", "lm_head.weight"))
-    return pairs
+def same(ours: str, theirs: str) -> Rule:
+    return Rule(ours, (theirs,), lambda t: (t,), lambda ts: ts[0])
 
 
-def _qkv(i: int, kind: str = "weight") -> tuple:
-    """(ours, [q, k, v]) of layer i's QKV weight or bias."""
-    attention = _layer(i) + "self_attn."
-    return (f"decoder.layers.{i}.self_attention.linear_qkv.{kind}",
-            [f"{attention}{p}_proj.{kind}" for p in "qkv"])
+def _rows(ours: str, theirs: str, vocab_size, padded_vocab_size) -> Rule:
+    """Embedding rows: Hugging Face holds the vocabulary's, the project pads them (zeros) for
+    tensor parallelism."""
+    def merge(ts):
+        import torch
+
+        padded = torch.zeros(padded_vocab_size, ts[0].shape[1], dtype=ts[0].dtype,
+                             device=ts[0].device)
+        padded[:ts[0].shape[0]] = ts[0]
+        return padded
+    return Rule(ours, (theirs,), lambda t: (t[:vocab_size],), merge)
 
 
-def _qkvs(shape: Shape, i: int) -> list:
-    return [_qkv(i)] + ([_qkv(i, "bias")] if shape.qkv_bias else [])
-
-
-def _fc1s(shape: Shape, target: Target, i: int) -> list:
-    """(ours, [gate, up], rows of each half) of layer i's SwiGLU fc1 weights."""
-    ours, theirs = f"decoder.layers.{i}.mlp.", _layer(i)
-    if not shape.moe[i]:
-        return [(ours + "linear_fc1.weight", [theirs + n for n in target.dense[:2]],
-                 shape.dense_ffn)]
-    shared = [(ours + "shared_experts.linear_fc1.weight",
-               [theirs + n for n in target.shared[:2]], shape.shared)] if shape.shared else []
-    return [(f"{ours}experts.local_experts.{e}.linear_fc1.weight",
-             [theirs + n for n in target.expert(e)[:2]], shape.ffn)
-            for e in range(shape.experts)] + shared
-
-
-def to_hf(state: dict, shape: Shape, target: Target, vocab_size: int) -> dict:
-    """The target's tensors (the first vocab_size embedding rows) of a one-rank state dict."""
+def _qkv(shape: Shape, i: int, kind: str = "weight") -> Rule:
+    """megatron's fused QKV weight or bias, grouped per key/value head <-> q_proj, k_proj,
+    v_proj (a weight's rows have h columns, a bias's none)."""
     import torch
 
     groups, channels = shape.groups, shape.channels
     per_group = shape.heads // groups
-    out = {theirs: state[ours] for ours, theirs in _renames(shape, target)}
-    out.update({theirs: state[ours][:vocab_size] for ours, theirs in _vocabulary(shape)})
+    attention = _layer(i) + "self_attn."
+
+    def split(t):
+        columns = t.shape[1:]
+        qkv = t.view(groups, per_group + 2, channels, *columns)
+        return (qkv[:, :per_group].reshape(-1, *columns), qkv[:, per_group].reshape(-1, *columns),
+                qkv[:, per_group + 1].reshape(-1, *columns))
+
+    def merge(ts):
+        q, k, v = ts
+        columns = q.shape[1:]
+        return torch.cat([q.view(groups, per_group, channels, *columns),
+                          k.view(groups, 1, channels, *columns),
+                          v.view(groups, 1, channels, *columns)], dim=1).reshape(-1, *columns)
+    return Rule(f"decoder.layers.{i}.self_attention.linear_qkv.{kind}",
+                tuple(attention + f"{p}_proj.{kind}" for p in "qkv"), split, merge)
+
+
+def _attention(shape: Shape, target: Target, i: int) -> list:
+    """Layer i's QKV weight, its bias (--add-qkv-bias) and the query/key norms
+    (--qk-layernorm)."""
+    ours, theirs = f"decoder.layers.{i}.self_attention.", _layer(i)
+    out = [_qkv(shape, i)] + ([_qkv(shape, i, "bias")] if shape.qkv_bias else [])
+    if shape.qk_norm:
+        out += [same(f"{ours}{p}_layernorm.weight", theirs + name)
+                for p, name in zip("qk", target.qk_norm)]
+    return out
+
+
+def glu(ours: str, gate: str, up: str) -> Rule:
+    """A SwiGLU fc1, [gate; up] in megatron, the two projections apart in Hugging Face."""
+    import torch
+
+    def split(t):
+        rows = t.shape[0] // 2
+        return t[:rows], t[rows:]
+    return Rule(ours, (gate, up), split, lambda ts: torch.cat(list(ts)))
+
+
+def rules(shape: Shape, target: Target, vocab_size=None, padded_vocab_size=None) -> list:
+    """Every tensor of the project's model as a Rule, the embedding first, then layer by layer,
+    then the final norm and the output layer. vocab_size (the Hugging Face embedding's rows)
+    is what split needs, padded_vocab_size what merge needs."""
+    out = [_rows("embedding.word_embeddings.weight", "model.embed_tokens.weight", vocab_size,
+                 padded_vocab_size)]
     for i in range(shape.layers):
-        for ours, (q, k, v) in _qkvs(shape, i):  # [h] columns for a weight, none for a bias
-            columns = state[ours].shape[1:]
-            qkv = state[ours].view(groups, per_group + 2, channels, *columns)
-            out[q] = qkv[:, :per_group].reshape(-1, *columns)
-            out[k] = qkv[:, per_group].reshape(-1, *columns)
-            out[v] = qkv[:, per_group + 1].reshape(-1, *columns)
-        for ours, (gate, up), rows in _fc1s(shape, target, i):
-            out[gate], out[up] = state[ours][:rows], state[ours][rows:]
-        for name, size in target.zeros(shape, i).items():
-            out[_layer(i) + name] = torch.zeros(size, dtype=state[ours].dtype)
-    return {key: value.detach().clone().contiguous() for key, value in out.items()}
+        ours, theirs = f"decoder.layers.{i}.", _layer(i)
+        out += [same(ours + "input_layernorm.weight", theirs + "input_layernorm.weight"),
+                *_attention(shape, target, i),
+                same(ours + "self_attention.linear_proj.weight", theirs + "self_attn.o_proj.weight"),
+                same(ours + "pre_mlp_layernorm.weight", theirs + "post_attention_layernorm.weight")]
+        if shape.moe[i]:
+            out.append(same(ours + "mlp.router.weight", theirs + target.router))
+            for e in range(shape.experts):
+                gate, up, down = (theirs + name for name in target.expert(e))
+                expert = f"{ours}mlp.experts.local_experts.{e}."
+                out += [glu(expert + "linear_fc1.weight", gate, up),
+                        same(expert + "linear_fc2.weight", down)]
+        else:
+            gate, up, down = (theirs + name for name in target.dense)
+            out += [glu(ours + "mlp.linear_fc1.weight", gate, up),
+                    same(ours + "mlp.linear_fc2.weight", down)]
+        out += list(target.extra(shape, i))
+    out.append(same("decoder.final_layernorm.weight", "model.norm.weight"))
+    if not shape.tied:
+        out.append(_rows("output_layer.weight", "lm_head.weight", vocab_size, padded_vocab_size))
+    return out
+
+
+def zeros(shape: Shape, target: Target, layers=None) -> dict:
+    """The Hugging Face tensors the project's model lacks (written as zeros, refused on import
+    unless zero): name -> shape, for the given layers (all by default)."""
+    return {_layer(i) + name: size for i in (range(shape.layers) if layers is None else layers)
+            for name, size in target.zeros(shape, i).items()}
+
+
+def check_zeros(read: Callable, present, shape: Shape, target: Target) -> None:
+    """Refuse, by name, a tensor the model lacks that is not zero (read: name -> tensor; only
+    the names present are read)."""
+    for name, size in zeros(shape, target).items():
+        if name not in present:
+            continue
+        tensor = read(name)
+        if list(tensor.shape) != list(size) or tensor.any():
+            raise NotExportable(f"{name} (shape {list(tensor.shape)}) is not zero: the "
+                                f"project's model has no such tensor")
+
+
+def to_hf(state: dict, shape: Shape, target: Target, vocab_size: int, zeros_of=None) -> dict:
+    """The target's tensors (the first vocab_size embedding rows) of a one-rank state dict, or
+    of a part of one: the rules whose tensor it holds, and the zeros of the layers zeros_of
+    names (by default those it holds a tensor of). Views of state's tensors where they can be."""
+    import torch
+
+    out = {}
+    for rule in rules(shape, target, vocab_size=vocab_size):
+        if rule.ours in state:
+            out.update(zip(rule.theirs, rule.split(state[rule.ours])))
+    like = next(iter(state.values()))
+    held = {layer_of(name) for name in state} - {None} if zeros_of is None else zeros_of
+    for name, size in zeros(shape, target, sorted(held)).items():
+        out[name] = torch.zeros(size, dtype=like.dtype, device=like.device)
+    return {key: value.detach().contiguous() for key, value in out.items()}
 
 
 def from_hf(tensors: dict, shape: Shape, target: Target, padded_vocab_size: int) -> dict:
     """A one-rank state dict from the target's tensors; embedding rows past the Hugging Face
     vocabulary (the project pads it for tensor parallelism) are zero. A tensor the model lacks
     must be zero (and of the shape the target gives it), else it is refused by name."""
-    import torch
-
-    groups, channels = shape.groups, shape.channels
-    per_group = shape.heads // groups
-    state = {ours: tensors[theirs] for ours, theirs in _renames(shape, target)}
-    for ours, theirs in _vocabulary(shape):
-        weight = tensors[theirs]
-        state[ours] = torch.zeros(padded_vocab_size, weight.shape[1], dtype=weight.dtype)
-        state[ours][:weight.shape[0]] = weight
-    for i in range(shape.layers):
-        for ours, (q, k, v) in _qkvs(shape, i):
-            columns = tensors[q].shape[1:]
-            state[ours] = torch.cat([tensors[q].view(groups, per_group, channels, *columns),
-                                     tensors[k].view(groups, 1, channels, *columns),
-                                     tensors[v].view(groups, 1, channels, *columns)],
-                                    dim=1).reshape(-1, *columns)
-        for ours, parts, _ in _fc1s(shape, target, i):
-            state[ours] = torch.cat([tensors[name] for name in parts])
-        for name, size in target.zeros(shape, i).items():
-            tensor = tensors.get(_layer(i) + name)
-            if tensor is not None and (list(tensor.shape) != list(size) or tensor.any()):
-                raise NotExportable(
-                    f"{_layer(i) + name} (shape {list(tensor.shape)}) is not zero: the "
-                    f"project's model has no such tensor")
-    return state
+    check_zeros(tensors.__getitem__, tensors, shape, target)
+    return {rule.ours: rule.merge([tensors[name] for name in rule.theirs])
+            for rule in rules(shape, target, padded_vocab_size=padded_vocab_size)}
 
 
 def hf_names(shape: Shape, target: Target, with_zeros: bool = True) -> set:
     """Every tensor name a target's directory for this shape holds (with_zeros: also those of
     the tensors the project's model lacks, which an import may go without)."""
-    names = {theirs for _, theirs in _renames(shape, target) + _vocabulary(shape)}
-    for i in range(shape.layers):
-        names |= {name for _, parts in _qkvs(shape, i) for name in parts}
-        names |= {name for _, parts, _ in _fc1s(shape, target, i) for name in parts}
-        if with_zeros:
-            names |= {_layer(i) + name for name in target.zeros(shape, i)}
-    return names
+    names = {name for rule in rules(shape, target) for name in rule.theirs}
+    return names | set(zeros(shape, target)) if with_zeros else names

@@ -16,8 +16,8 @@ exactly 0, and such a directory imports only in that form.
 from __future__ import annotations
 
 from parm_trainer.layer_pattern import moe_layer_pattern
-from parm_trainer.convert.decoder import (Target, common_flags, experts_of, heads,
-                                          no_sliding_window, rope, router_flags)
+from parm_trainer.convert.decoder import (Target, common_flags, experts_of, glu, heads,
+                                          no_sliding_window, rope, router_flags, same)
 
 CONFIG_CLASS = "Qwen2MoeConfig"
 SHARED = tuple(f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")) + (
@@ -25,9 +25,20 @@ SHARED = tuple(f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "dow
 
 
 def _zeros(shape, i: int) -> dict:
-    if not shape.moe[i] or shape.shared:
+    if not shape.moe[i] or shape.shared_ffn:
         return {}
     return dict(zip(SHARED, ((0, shape.h), (0, shape.h), (shape.h, 0), (1, shape.h))))
+
+
+def _shared(shape, i: int) -> list:
+    """The Rules of an MoE layer's shared expert and its sigmoid gate, where the model has
+    them."""
+    if not shape.moe[i] or not shape.shared_ffn:
+        return []
+    ours, theirs = f"decoder.layers.{i}.mlp.shared_experts.", f"model.layers.{i}."
+    gate, up, down, sigmoid_gate = (theirs + name for name in SHARED)
+    out = [glu(ours + "linear_fc1.weight", gate, up), same(ours + "linear_fc2.weight", down)]
+    return out + ([same(ours + "gate_weight", sigmoid_gate)] if shape.shared_gate else [])
 
 
 def expert(e: int) -> tuple:
@@ -36,7 +47,7 @@ def expert(e: int) -> tuple:
 
 DENSE = tuple(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))
 TARGET = Target(class_name="Qwen2MoeForCausalLM", router="mlp.gate.weight", expert=expert,
-                dense=DENSE, zeros=_zeros, shared=SHARED)
+                dense=DENSE, zeros=_zeros, extra=_shared)
 
 
 def problem(args: dict):

@@ -55,6 +55,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         **pipeline_fields(args),
+        **recompute_fields(args),
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         sequence_parallel=args.sequence_parallel,
@@ -94,6 +95,16 @@ def pipeline_fields(args) -> dict:
                     args, "decoder_last_pipeline_num_layers", None),
                 virtual_pipeline_model_parallel_size=virtual,
                 overlap_p2p_comm=overlap, batch_p2p_comm=not overlap)
+
+
+def recompute_fields(args) -> dict:
+    """--recompute-* as megatron-core's fields of the same names (the modules already hold
+    --moe-layer-recompute's moe: arguments/recompute.settle)."""
+    granularity = getattr(args, "recompute_granularity", None)
+    return dict(recompute_granularity=granularity,
+                recompute_method=getattr(args, "recompute_method", None),
+                recompute_num_layers=getattr(args, "recompute_num_layers", None),
+                recompute_modules=list(getattr(args, "recompute_modules", None) or ["core_attn"]))
 
 
 def num_moe_layers(args) -> int:

@@ -28,6 +28,7 @@ Local first (--moe-parm-local-first) and the node relay (node_relay.py): docs/ex
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -204,11 +205,15 @@ def _experts_on_rows(layer, x, w, counts: list):
     weights name (counts: the rows of each, known on the host), summed with those weights ->
     (T, M), partial sums over ESP. The weights go to the experts as megatron's dispatchers pass
     the routing probabilities (applied to the activation, and to fc2's bias): p * expert(x), in
-    one multiply the experts do anyway."""
+    one multiply the experts do anyway. Local work: under "moe" recompute only x and w are kept
+    (layer.local)."""
+    return layer.local(functools.partial(_rows_through_experts, layer, counts=counts), x, w)
+
+
+def _rows_through_experts(layer, x, w, counts: list):
     hidden = x.shape[1]
     expert, row = _nonzero((w >= 0).t(), sum(counts))  # grouped by expert
-    out, _ = layer.experts(_at(x, row), torch.tensor(counts, dtype=torch.int64),
-                           _at(w, row, expert))
+    out = layer.run_experts(_at(x, row), counts, _at(w, row, expert))
     return x.new_zeros(x.shape[0], hidden).index_add(0, row, out)
 
 

@@ -9,6 +9,11 @@ crosses to each EP rank once, in AlltoAlls of exact counts, relayed through a no
 group has several ranks on each of its nodes, node_relay.py; "direct" keeps one hop), or
 padded (padded_exchange.PaddedExchange, --moe-parm-exchange padded, and always the baseline's:
 the fixed (E, C, M) layout of PARM.md, C the capacity of one gate call, capacity()).
+
+Recomputation (--recompute-granularity selective --recompute-modules moe, or
+--moe-layer-recompute): the layer keeps what its exchange received and recomputes only local
+work in the backward, the local experts on those rows (local()) and the shared expert, so the
+recompute costs GEMMs and no exchange (docs/exchange.md, "Recomputation").
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import math
 from typing import Optional
 
 import torch
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import get_capacity, router_gating_linear
 from megatron.core.transformer.moe.router import TopKRouter
@@ -28,6 +33,7 @@ from parm_trainer.moe import comm, shared_expert, step_timing
 from parm_trainer.moe.aux_loss import DeferringRouter
 from parm_trainer.moe.exchange import ExactExchange
 from parm_trainer.moe.forced_routing import ForcedLogits
+from parm_trainer.moe.grouped_experts import applies, grouped_experts
 from parm_trainer.moe.padded_exchange import PaddedExchange
 from parm_trainer.moe.plan import Op
 from parm_trainer.moe.schedules import build_plan
@@ -59,6 +65,22 @@ def expert_comm_explicit(module: torch.nn.Module) -> int:
         if getattr(sub, "is_expert", False) and getattr(sub, "explicit_expert_comm", True) is \
                 False and group is not None and group.size() == 1:
             sub.explicit_expert_comm = True
+            changed += 1
+    return changed
+
+
+def mlp_recompute_to_parm(module: torch.nn.Module) -> int:
+    """Leave --recompute-modules mlp to the dense MLPs, as megatron-core means it.
+
+    megatron's TransformerLayer checkpoints its mlp whole under "mlp" unless the mlp is its own
+    MoELayer; Parm's layer is not one, so it would be recomputed whole, its exchange repeated in
+    the backward. Parm's layer recomputes its own local work under "moe" instead. Returns the
+    layers changed."""
+    changed = 0
+    for sub in module.modules():
+        if isinstance(getattr(sub, "mlp", None), ParmMoELayer) and getattr(sub, "recompute_mlp",
+                                                                           False):
+            sub.recompute_mlp = False
             changed += 1
     return changed
 
@@ -131,6 +153,12 @@ class ParmMoELayer(MegatronModule):
                               if config.moe_router_force_load_balancing else None)
         # the exchange's dispatch, MP split, exchange and combine (exact or direct, or padded)
         self.exchange = ExactExchange(self) if self.exact else PaddedExchange(self)
+        # selective recompute: "moe" recomputes the local experts (local()) and the shared
+        # expert; "shared_experts" the shared expert alone (megatron-core's meaning)
+        modules = (config.recompute_modules or () if config.recompute_granularity == "selective"
+                   else ())
+        self.recompute_experts = "moe" in modules
+        self.recompute_shared = "moe" in modules or "shared_experts" in modules
 
     def _mp_in_exchange_group(self):
         """The MP ranks' positions in the exact exchange's count AllGather (over EP x ESP),
@@ -187,15 +215,39 @@ class ParmMoELayer(MegatronModule):
         position = torch.cumsum(routing_map.to(torch.int64), dim=0) - 1
         return capacity, position, routing_map & (position < capacity)
 
+    def local(self, function, *tensors):
+        """function(*tensors): local work on what the exchange received. Under "moe"
+        recompute only the tensors are kept and function runs again in the backward
+        (megatron-core's tensor_parallel.checkpoint, RNG states replayed)."""
+        if self.recompute_experts and torch.is_grad_enabled():
+            return tensor_parallel.checkpoint(function, False, *tensors)
+        return function(*tensors)
+
+    def _shared_call(self, hidden_states):
+        if self.recompute_shared and torch.is_grad_enabled():
+            return tensor_parallel.checkpoint(self.shared_experts, False, hidden_states)
+        return self.shared_experts(hidden_states)
+
     def expert(self, x):
         """x: (E, c, M), dim 0 = EP blocks of this rank's local experts -> same shape, partial
         sums over ESP (the expert's row-parallel fc2 leaves the reduction to the schedule)."""
+        return self.local(self._expert, x)
+
+    def _expert(self, x):
         ep, local, (c, hidden) = self.ep_size, self.num_local_experts, x.shape[1:]
         grouped = x.view(ep, local, c, hidden).transpose(0, 1).reshape(-1, hidden)
-        counts = torch.full((local,), ep * c, dtype=torch.int64)
-        out, _ = self.experts(grouped, counts, torch.ones(grouped.shape[0], dtype=x.dtype,
-                                                          device=x.device))
+        out = self.run_experts(grouped, [ep * c] * local,
+                               torch.ones(grouped.shape[0], dtype=x.dtype, device=x.device))
         return out.view(local, ep, c, hidden).transpose(0, 1).reshape(ep * local, c, hidden)
+
+    def run_experts(self, rows, counts: list, probs):
+        """The local experts on rows (T, M) grouped by expert (counts: the rows of each, on the
+        host), each output scaled by its row's probability: on CPU as two grouped GEMMs
+        (grouped_experts.py), elsewhere by the experts module itself."""
+        if rows.shape[0] and applies(self.experts, self.config, rows):
+            return grouped_experts(self.experts, rows, counts, probs)
+        out, _ = self.experts(rows, torch.tensor(counts, dtype=torch.int64), probs)
+        return out
 
     # --- executor ----------------------------------------------------------------------------
     def forward(self, hidden_states, *args, **kwargs):
@@ -205,8 +257,9 @@ class ParmMoELayer(MegatronModule):
         seq_shape, routing = (seq, batch), None
         clock = (step_timing.layer_clock(self.layer_number, self.step_labels)
                  if self.training and torch.is_grad_enabled() else None)
-        shared_out = shared_expert.Deferred(self.shared_experts, hidden_states,
-                                            self.shared_overlap)
+        shared_out = shared_expert.Deferred(
+            self._shared_call if self.shared_experts is not None else None, hidden_states,
+            self.shared_overlap)
         for step in self.plan.steps:
             op = step.op
             if clock is not None:  # --timing-log-level 2

@@ -11,7 +11,8 @@ Per pipeline rank (its chunks under the run's layout, args.pipeline_stages):
   optimizer              Adam's two fp32 moments (and an fp32 copy under bf16 or fp16); with
                          --use-distributed-optimizer the dense ones over DP, the experts' over
                          the expert-DP group
-  activations            what autograd saves per micro-batch (top-k expert rows included), at
+  activations            what autograd saves per micro-batch (top-k expert rows included; less
+                         under recomputation: planning/recompute_cost.py), at
                          the peak over megatron's schedule of the micro-batches the rank's chunks
                          hold (P - k on stage k under 1F1B; interleaved:
                          stages.live_micro_batches; without stages, two with
@@ -25,6 +26,7 @@ the framework itself (CUDA context, allocator caching, on CPU the interpreter an
 from __future__ import annotations
 
 from parm_trainer.moe.cost_profile import DEFAULT_PROFILE
+from parm_trainer.planning import recompute_cost
 from parm_trainer.planning.model_cost import ModelCost
 from parm_trainer.planning.stages import predict
 from parm_trainer.planning.paired_microbatches import in_flight
@@ -51,7 +53,8 @@ def estimate(args, profile=None) -> tuple:
     without the P2P transfers}], the predicted iteration seconds), priced with profile (the
     default profile if None; memory does not depend on it)."""
     cost = ModelCost(args, profile or DEFAULT_PROFILE)
-    runs = stage_runs(args, cost.pieces())
+    kept = cost.n * args.hidden_size * cost.e / (cost.tp if cost.sp else 1)  # a layer's input
+    runs = recompute_cost.full(args, stage_runs(args, cost.pieces()), kept)
     pp = args.pipeline_model_parallel_size
     vp = len(runs) // pp
     microbatches = max(1, args.global_batch_size // (args.micro_batch_size * cost.dp))
@@ -59,8 +62,10 @@ def estimate(args, profile=None) -> tuple:
     predicted = predict(runs, cost, pp, vp, microbatches, tied)
     ranks = predicted["ranks"]
     paired = in_flight(args, microbatches)  # 1 with pipeline stages
-    for rank in ranks:  # --overlap-moe-expert-parallel-comm holds a pair at once
+    for r, rank in enumerate(ranks):  # --overlap-moe-expert-parallel-comm holds a pair at once
         extra = (paired - 1) * rank["activation_bytes"] / rank["in_flight"]
+        # recomputation: a recomputed part's activations alive again during its backward
+        extra += max(recompute_cost.transient(runs[c]) for c in range(r, len(runs), pp))
         rank["in_flight"] *= paired
         rank["activation_bytes"] += extra
         rank["memory_bytes"] += extra

@@ -29,7 +29,9 @@ from dataclasses import dataclass, replace
 
 from parm_trainer.moe.cost_model import CHUNK_CHOICES, plan_cost, sent_bytes, shape_plan
 from parm_trainer.moe.cost_profile import Profile
+from parm_trainer.moe.grouped_experts import applies_to_run
 from parm_trainer.moe.link_sharing import link_flows
+from parm_trainer.planning import recompute_cost
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class Piece:
     params: float       # parameters this rank holds for the piece
     expert_params: float  # of which in experts (reduced over the expert-DP group)
     activation_bytes: float  # saved for the backward, per micro-batch
+    recompute_bytes: float = 0.0  # alive again while its recomputed parts' backward runs
 
     @property
     def total_s(self) -> float:
@@ -187,7 +190,14 @@ class ModelCost:
             dense += a.hidden_size * (shared * mats / self.tp + bool(a.moe_shared_expert_gate))
         return forward, backward, experts, dense
 
-    def activations(self, kind: str) -> float:
+    def recomputed(self, kind: str) -> float:
+        """The most piece `kind`'s selectively recomputed parts hold again during its backward
+        (one part at a time: the MLP's backward is done before the attention's starts)."""
+        modules = recompute_cost.selective(self.args)
+        full = self.activations(kind, ())
+        return max([full - self.activations(kind, (m,)) for m in modules], default=0.0)
+
+    def activations(self, kind: str, modules: tuple = None) -> float:
         """Bytes autograd saves for one micro-batch in piece `kind` on this rank (the local
         spec, unfused): a norm keeps its input (RMSNorm its output too) and per-token
         statistics; each linear layer its input; core attention q, k, v, the softmax output
@@ -195,11 +205,12 @@ class ModelCost:
         mask per element (attention: the mask and the dropped probabilities); an MLP its fc1
         output and activation output (2 F per row; SwiGLU 5 F: the 2F-wide fc1 output and
         three F-wide products), on n rows (dense) or the expert rows n k ESP / MP of F / ESP
-        (MoE: one F more, the activation before the routing weight scales it, kept for the
-        weight's gradient), whose input rows are kept too; the router its input and the
-        routing; the output layer its input and the fp32 logits."""
+        (MoE: see expert_widths), whose input rows are kept too; the router its input and the
+        routing; the output layer its input and the fp32 logits. Selective recompute's
+        modules keep less (recompute_cost.py; modules: the run's when None)."""
         a, e, n, M, T = self.args, self.e, self.n, self.args.hidden_size, self.tp
         b, s, heads = a.micro_batch_size, a.seq_length, a.num_attention_heads
+        modules = recompute_cost.selective(a) if modules is None else modules
         rms = getattr(a, "normalization", "LayerNorm") == "RMSNorm"
         boundary = n * M * e / (T if self.sp else 1)  # a tensor between MP blocks
         norm = boundary * (2 if rms else 1) + n * (4 if rms else 8)
@@ -218,17 +229,25 @@ class ModelCost:
             attention += (q + kv) * n * e / T * (2 if rms else 1) + n * heads / T * 8
         if getattr(a, "attention_dropout", 0.0) > 0:
             attention += 2 * probs
+        attention -= recompute_cost.core_attention_saved(a, modules, probs, s)  # selective recompute
         widths = 5 if getattr(a, "swiglu", False) else 2
+        # the experts' rows: megatron's MLP keeps one F more (the activation before the routing
+        # weight scales it); its grouped form on CPU keeps fc1's output, the activation and the
+        # scaled activation (moe/grouped_experts.py: SwiGLU 4 F, gelu 3 F)
+        expert_widths = ((4 if widths == 5 else 3) if applies_to_run(a) else widths + 1)
         if kind == "t":
-            mlp = n * M * e + widths * n * a.ffn_hidden_size / T * e
+            mlp = recompute_cost.dense_mlp(
+                modules, n * M * e + widths * n * a.ffn_hidden_size / T * e, boundary)
         else:
             esp, k = a.expert_tensor_parallel_size, a.moe_router_topk
             rows = n * k * esp / T
-            mlp = (n * M * e + n * (a.num_experts * 4 + k * 24 + 20)     # router and routing
-                   + (widths + 1) * rows * a.moe_ffn_hidden_size / esp * e + 2 * rows * M * e)
+            router = n * M * e + n * (a.num_experts * 4 + k * 24 + 20)  # router and routing
+            experts = (expert_widths * rows * a.moe_ffn_hidden_size / esp * e
+                       + 2 * rows * M * e)
             shared = getattr(a, "moe_shared_expert_intermediate_size", None)
-            if shared:  # its fc1 input (gathered under SP) and fc1/activation outputs
-                mlp += n * M * e + widths * n * shared / T * e
+            # its fc1 input (gathered under SP) and fc1/activation outputs
+            shared = n * M * e + widths * n * shared / T * e if shared else 0.0
+            mlp = recompute_cost.moe_mlp(self, modules, router, experts, shared, boundary)
         return attention + norm + mlp + hidden_drop
 
     def layer(self, moe: bool) -> Piece:
@@ -237,10 +256,11 @@ class ModelCost:
         if not moe:
             mf, mb, mlp_params = self.mlp()
             return Piece(kind, af + mf, ab + mb, attn_params + mlp_params, 0.0,
-                         self.activations(kind))
+                         self.activations(kind), self.recomputed(kind))
         mf, mb, experts, router = self.moe_mlp()
         return Piece(kind, af + mf, ab + mb, attn_params + experts + router +
-                     self.args.hidden_size, experts, self.activations(kind))
+                     self.args.hidden_size, experts, self.activations(kind),
+                     self.recomputed(kind))
 
     def head(self) -> Piece:
         n, M, V, T = self.n, self.args.hidden_size, self.vocab, self.tp

@@ -11,7 +11,10 @@ IN_FLIGHT = 2
 def not_applied(args, microbatches: int = None):
     """Why --overlap-moe-expert-parallel-comm, given, does not apply to this run's training
     (None where it does): it needs Parm's MoE layers (megatron's dispatcher waits in place, so
-    nothing would overlap), no pipeline stages and at least two micro-batches.
+    nothing would overlap), no pipeline stages, at least two micro-batches, and no recompute
+    that runs the other micro-batch inside its own: full recompute re-runs the MoE layers'
+    exchange, where the turn passes, while the RNG states of its replayed dropout are set;
+    megatron-core's layernorm recompute keeps one discarded norm output per layer.
     microbatches: per step (default: args.num_microbatches, which validation sets)."""
     if not args.num_experts or args.moe_parm_schedule == "megatron":
         return "no Parm MoE layers"
@@ -19,6 +22,11 @@ def not_applied(args, microbatches: int = None):
         return "pipeline parallelism (megatron's 1F1B schedule runs)"
     if (args.num_microbatches if microbatches is None else microbatches) < 2:
         return "one micro-batch per step"
+    if getattr(args, "recompute_granularity", None) == "full":
+        return "--recompute-granularity full (its recompute passes the turn mid-layer)"
+    if (getattr(args, "recompute_granularity", None) == "selective"
+            and "layernorm" in (getattr(args, "recompute_modules", None) or ())):
+        return "--recompute-modules layernorm (one discarded norm output per layer)"
     return None
 
 

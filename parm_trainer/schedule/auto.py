@@ -14,6 +14,7 @@ from dataclasses import replace
 from parm_trainer.moe.cost_model import CHUNK_CHOICES, price_schedules
 from parm_trainer.moe.cost_profile import load_profile, profile_source
 from parm_trainer.moe.cost_shape import layer_shape
+from parm_trainer.moe_flags import shared_experts_recomputed
 from parm_trainer.planning.checks import local_first_applies
 
 TUNE_DEPTHS = (1, 2, 4)
@@ -72,7 +73,8 @@ def resolve_auto_schedule(args, log=print) -> None:
     what = " and ".join(w for w, on in (("--moe-parm-schedule auto", auto_schedule),
                                          ("--moe-parm-chunks 0", auto_chunks)) if on)
     overlap = ""
-    if shape.shared_ffn and not shape.shared_overlap:  # the shared expert's place, priced
+    if shape.shared_ffn and not shape.shared_overlap and not shared_experts_recomputed(args):
+        # the shared expert's place, priced
         chosen = replace(shape, chunks=r, local_first=local)
         before, overlapped = (price_schedules(replace(chosen, shared_overlap=o), profile,
                                               [name])[name] for o in (False, True))

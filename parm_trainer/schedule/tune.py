@@ -277,10 +277,12 @@ def runnable_candidates(args) -> list:
 
 
 def _overlap_open(args) -> bool:
-    """Whether the shared expert's place is left to measure: a shared expert, and no
-    --moe-shared-expert-overlap forcing it."""
+    """Whether the shared expert's place is left to measure: a shared expert, and neither
+    --moe-shared-expert-overlap forcing it nor --recompute-modules shared_experts ruling it
+    out."""
     return (getattr(args, "moe_shared_expert_intermediate_size", None) is not None
-            and not getattr(args, "moe_shared_expert_overlap", False))
+            and not getattr(args, "moe_shared_expert_overlap", False)
+            and not moe_flags.shared_experts_recomputed(args))
 
 
 def _measure_overlap(args, best) -> dict:

@@ -12,7 +12,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from parm_trainer.models.init import init_weights_layout_free
-from parm_trainer.moe.layer import expert_comm_explicit
+from parm_trainer.moe.layer import expert_comm_explicit, mlp_recompute_to_parm
 from parm_trainer.training.lr_schedule import build_scheduler
 from parm_trainer.training import loss_scale
 from parm_trainer.training.paced_reduction import PacedBucket
@@ -95,6 +95,7 @@ def build_model(args, config: TransformerConfig, model_provider: ModelProvider) 
         init_weights_layout_free(module, args.seed, args.init_method_std, args.num_layers)
         mark_expert_params(module)
         expert_comm_explicit(module)
+        mlp_recompute_to_parm(module)
         if torch.cuda.is_available():
             module.cuda(torch.cuda.current_device())
         ddp_config = DistributedDataParallelConfig(

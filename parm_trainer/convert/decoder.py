@@ -21,7 +21,7 @@ import refuses them unless they are zero.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 from parm_trainer.layer_pattern import moe_layer_pattern
 
@@ -114,6 +114,9 @@ class Shape:
     dense_ffn: int  # a dense layer's
     tied: bool
     moe: tuple  # per layer: is it an MoE layer
+    shared_ffn: int = 0  # the shared expert's (0: none)
+    expert_bias: bool = False  # the router's aux-loss-free bias
+    q_lora_rank: Optional[int] = None  # multi-latent attention's query latent (None: none)
 
     @property
     def layers(self) -> int:
@@ -125,7 +128,9 @@ def shape_of_args(args: dict) -> Shape:
     return Shape(args["hidden_size"], *heads(args), args["num_experts"],
                  args["moe_ffn_hidden_size"], args.get("ffn_hidden_size") or 0,
                  not args["untie_embeddings_and_output_weights"],
-                 tuple(bool(moe) for moe in pattern))
+                 tuple(bool(moe) for moe in pattern),
+                 args.get("moe_shared_expert_intermediate_size") or 0,
+                 bool(args.get("moe_router_enable_expert_bias")), args.get("q_lora_rank"))
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,11 @@ class Target:
     expert: Callable  # e -> (gate, up, down) names under the layer
     dense: tuple  # (gate, up, down) of a dense layer's MLP, under the layer
     zeros: Callable  # (shape, layer index) -> {name: tensor shape}: what the model lacks
+    # (shape, layer index) -> [(ours, theirs)] under the layers' prefixes: the attention's
+    # tensors in place of the fused QKV (None: megatron's fused QKV <-> q, k, v_proj)
+    attention: Optional[Callable] = None
+    more: Optional[Callable] = None  # (shape, layer index) -> [(ours, theirs)]: more tensors
+    more_fc1: Optional[Callable] = None  # (shape, layer index) -> [(ours, [gate, up], rows)]
 
 
 def _layer(i: int) -> str:
@@ -150,6 +160,9 @@ def _renames(shape: Shape, target: Target) -> list:
         pairs += [(ours + "self_attention.linear_proj.weight", theirs + "self_attn.o_proj.weight"),
                   (ours + "input_layernorm.weight", theirs + "input_layernorm.weight"),
                   (ours + "pre_mlp_layernorm.weight", theirs + "post_attention_layernorm.weight")]
+        for mine, other in ((target.attention or _none)(shape, i)
+                            + (target.more or _none)(shape, i)):
+            pairs.append((ours + mine, theirs + other))
         if shape.moe[i]:
             pairs.append((ours + "mlp.router.weight", theirs + target.router))
             pairs += [(f"{ours}mlp.experts.local_experts.{e}.linear_fc2.weight",
@@ -159,6 +172,10 @@ def _renames(shape: Shape, target: Target) -> list:
     return pairs
 
 
+def _none(shape: Shape, i: int) -> list:
+    return []
+
+
 def _vocabulary(shape: Shape) -> list:
     pairs = [("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
     if not shape.tied:
@@ -166,10 +183,14 @@ def _vocabulary(shape: Shape) -> list:
     return pairs
 
 
-def _qkv(i: int) -> tuple:
+def _qkv(target: Target, i: int) -> list:
+    """[(ours, [q, k, v])]: megatron's fused QKV of layer i (none where the target's attention
+    has its own names)."""
+    if target.attention is not None:
+        return []
     attention = _layer(i) + "self_attn."
-    return (f"decoder.layers.{i}.self_attention.linear_qkv.weight",
-            [attention + name for name in ("q_proj.weight", "k_proj.weight", "v_proj.weight")])
+    return [(f"decoder.layers.{i}.self_attention.linear_qkv.weight",
+             [attention + name for name in ("q_proj.weight", "k_proj.weight", "v_proj.weight")])]
 
 
 def _fc1s(shape: Shape, target: Target, i: int) -> list:
@@ -178,9 +199,11 @@ def _fc1s(shape: Shape, target: Target, i: int) -> list:
     if not shape.moe[i]:
         return [(ours + "linear_fc1.weight", [theirs + n for n in target.dense[:2]],
                  shape.dense_ffn)]
+    more = [(f"decoder.layers.{i}.{mine}", [theirs + n for n in parts], rows)
+            for mine, parts, rows in (target.more_fc1 or _none)(shape, i)]
     return [(f"{ours}experts.local_experts.{e}.linear_fc1.weight",
              [theirs + n for n in target.expert(e)[:2]], shape.ffn)
-            for e in range(shape.experts)]
+            for e in range(shape.experts)] + more
 
 
 def to_hf(state: dict, shape: Shape, target: Target, vocab_size: int) -> dict:
@@ -192,10 +215,11 @@ def to_hf(state: dict, shape: Shape, target: Target, vocab_size: int) -> dict:
     out = {theirs: state[ours] for ours, theirs in _renames(shape, target)}
     out.update({theirs: state[ours][:vocab_size] for ours, theirs in _vocabulary(shape)})
     for i in range(shape.layers):
-        ours, (q, k, v) = _qkv(i)
-        qkv = state[ours].view(groups, per_group + 2, channels, h)
-        out[q] = qkv[:, :per_group].reshape(-1, h)
-        out[k], out[v] = qkv[:, per_group].reshape(-1, h), qkv[:, per_group + 1].reshape(-1, h)
+        for ours, (q, k, v) in _qkv(target, i):
+            qkv = state[ours].view(groups, per_group + 2, channels, h)
+            out[q] = qkv[:, :per_group].reshape(-1, h)
+            out[k] = qkv[:, per_group].reshape(-1, h)
+            out[v] = qkv[:, per_group + 1].reshape(-1, h)
         for ours, (gate, up), rows in _fc1s(shape, target, i):
             out[gate], out[up] = state[ours][:rows], state[ours][rows:]
         for name, size in target.zeros(shape, i).items():
@@ -217,10 +241,11 @@ def from_hf(tensors: dict, shape: Shape, target: Target, padded_vocab_size: int)
         state[ours] = torch.zeros(padded_vocab_size, weight.shape[1], dtype=weight.dtype)
         state[ours][:weight.shape[0]] = weight
     for i in range(shape.layers):
-        ours, (q, k, v) = _qkv(i)
-        state[ours] = torch.cat([tensors[q].view(groups, per_group, channels, h),
-                                 tensors[k].view(groups, 1, channels, h),
-                                 tensors[v].view(groups, 1, channels, h)], dim=1).reshape(-1, h)
+        for ours, (q, k, v) in _qkv(target, i):
+            state[ours] = torch.cat([tensors[q].view(groups, per_group, channels, h),
+                                     tensors[k].view(groups, 1, channels, h),
+                                     tensors[v].view(groups, 1, channels, h)],
+                                    dim=1).reshape(-1, h)
         for ours, parts, _ in _fc1s(shape, target, i):
             state[ours] = torch.cat([tensors[name] for name in parts])
         for name, size in target.zeros(shape, i).items():
@@ -237,7 +262,7 @@ def hf_names(shape: Shape, target: Target, with_zeros: bool = True) -> set:
     the tensors the project's model lacks, which an import may go without)."""
     names = {theirs for _, theirs in _renames(shape, target) + _vocabulary(shape)}
     for i in range(shape.layers):
-        names |= set(_qkv(i)[1])
+        names |= {name for _, parts in _qkv(target, i) for name in parts}
         names |= {name for _, parts, _ in _fc1s(shape, target, i) for name in parts}
         if with_zeros:
             names |= {_layer(i) + name for name in target.zeros(shape, i)}

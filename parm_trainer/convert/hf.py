@@ -5,7 +5,8 @@
 
 The class is MixtralForCausalLM where Mixtral expresses the model (every layer MoE, megatron's
 default router), else Qwen2MoeForCausalLM (--moe-router-pre-softmax, dense layers between the
-MoE layers); see mixtral.py and qwen2_moe.py.
+MoE layers), DeepseekV3ForCausalLM with multi-latent attention; see mixtral.py, qwen2_moe.py,
+deepseek_v3.py.
 
 Both write into SAVE_DIR.partial and rename it to SAVE_DIR only when everything is written, so
 SAVE_DIR appears whole or not at all; an existing SAVE_DIR is refused before anything is done.
@@ -23,12 +24,13 @@ import sentencepiece
 
 from parm_trainer.convert.bert import FORMAT as BERT_FORMAT
 from parm_trainer.convert.hf_tokenizer import save_hf_tokenizer
-from parm_trainer.convert import mixtral, qwen2_moe
+from parm_trainer.convert import deepseek_v3, mixtral, qwen2_moe
 from parm_trainer.convert.decoder import (check_exportable, from_hf, hf_names, legacy_keys,
                                           shape_of_args, to_hf)
 from parm_trainer.training.checkpoint import files
 
-TARGETS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe}  # config.json's model_type -> module
+# config.json's model_type -> module
+TARGETS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3}
 
 
 class ConvertError(ValueError):
@@ -77,7 +79,9 @@ def load_one_rank(load_dir: str, **overrides):
 
 
 def target_of(args: dict):
-    """The module (mixtral or qwen2_moe) of the class that expresses run.json's model."""
+    """The module (a TARGETS value) of the class that expresses run.json's model."""
+    if args.get("multi_latent_attention"):
+        return deepseek_v3
     return mixtral if mixtral.expresses(args) else qwen2_moe
 
 
@@ -197,8 +201,8 @@ def import_from_hf(load_dir: str, save_dir: str, tokenizer_model: str | None = N
         return _import_bert(load_dir, save_dir, config, tokenizer_model)
     if config.get("model_type") not in TARGETS:
         raise ConvertError(f"config.json has model_type {config.get('model_type')!r}; only "
-                           f"{', '.join(map(repr, TARGETS))} ({mixtral.TARGET.class_name}, "
-                           f"{qwen2_moe.TARGET.class_name}) import")
+                           + ", ".join(f"{name!r} ({module.TARGET.class_name})"
+                                       for name, module in TARGETS.items()) + " import")
     target = TARGETS[config["model_type"]]
     values = target.model_flags(config)
     tokenizer_model = tokenizer_model or os.path.join(load_dir, "tokenizer.model")
@@ -222,6 +226,7 @@ def import_from_hf(load_dir: str, save_dir: str, tokenizer_model: str | None = N
             f"the tokenizer {tokenizer_model} has {sp_vocab} pieces and the model {hf_vocab} "
             f"embedding rows; they must agree up to the padding to {padded}")
     tensors = _read_safetensors(load_dir)
+    tensors = getattr(target, "hf_tensors", lambda given, _: given)(tensors, config)
     with written_whole(save_dir) as out:
         args = one_rank_args(values, tokenizer_model=tokenizer_model,
                              padded_vocab_size=padded, hf_vocab_size=hf_vocab)

@@ -31,6 +31,7 @@ from parm_trainer.layer_pattern import moe_layer_pattern
 CONFIG_CLASS = "DeepseekV3Config"
 # YaRN's constants without a Megatron-LM flag: MLATransformerConfig's values
 YARN_FIXED = {"beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 4096}
+LATENT_EPS = 1e-6  # transformers' q_a_layernorm and kv_a_layernorm: DeepseekV3RMSNorm's default
 
 
 def _attention(shape, i: int) -> list:
@@ -122,6 +123,9 @@ def hf_config(args: dict, vocab_size: int, bos: int, eos: int) -> dict:
         raise NotExportable("--multi-latent-attention without --qk-layernorm: DeepSeek-V3 has "
                             "norms on its query and key/value latents (train with "
                             "--qk-layernorm)")
+    if args["norm_epsilon"] != LATENT_EPS:
+        raise NotExportable(f"--norm-epsilon {args['norm_epsilon']}: DeepSeek-V3 normalises its "
+                            f"latents with {LATENT_EPS} (train with --norm-epsilon {LATENT_EPS})")
     if args.get("moe_router_score_function") != "sigmoid" or args.get("moe_router_pre_softmax"):
         raise NotExportable(f"--moe-router-score-function "
                             f"{args.get('moe_router_score_function')}: DeepSeek-V3 routes on "
@@ -168,6 +172,9 @@ def _refuse_what_differs(config: dict) -> None:
     for wrong, line in (
             (config.get("attention_bias"), "attention_bias true: megatron-core's multi-latent "
                                            "attention has no biases"),
+            (config.get("rms_norm_eps", LATENT_EPS) != LATENT_EPS,
+             f"rms_norm_eps {config.get('rms_norm_eps')}: transformers' DeepSeek-V3 takes "
+             f"{LATENT_EPS} in its latents' norms, megatron-core one epsilon for all norms"),
             (config.get("hidden_act", "silu") != "silu",
              f"hidden_act {config.get('hidden_act')!r}: only silu (SwiGLU) imports"),
             (topk > 1 and not norm, f"norm_topk_prob false with num_experts_per_tok {topk}: "

@@ -33,7 +33,7 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0
         "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
         "original_max_position_embeddings": 4096}
 DEEPSEEK = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
                 n_shared_experts=1, n_routed_experts=4, routed_scaling_factor=2.5,
                 kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
                 qk_nope_head_dim=16, n_group=2, topk_group=1, num_experts_per_tok=2,
@@ -88,7 +88,7 @@ def test_import_has_transformers_logits_and_exports_bit_for_bit(deepseek, gpt_da
     for flags in ("--multi-latent-attention", "--q-lora-rank 24", "--kv-lora-rank 16",
                   "--qk-head-dim 16", "--qk-pos-emb-head-dim 8", "--v-head-dim 12",
                   "--qk-layernorm", "--rope-type yarn", "--rotary-scaling-factor 4.0",
-                  "--mscale-all-dim 1.0", "--moe-layer-freq [0,1,1]",
+                  "--mscale-all-dim 1.0", "--moe-layer-freq [0,1,1,1]",
                   "--moe-shared-expert-intermediate-size 32", "--moe-router-score-function "
                   "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-num-groups 2",
                   "--moe-router-group-topk 1", "--moe-router-topk-scaling-factor 2.5"):

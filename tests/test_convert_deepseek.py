@@ -211,3 +211,19 @@ def test_export_refusals(changes, needle):
     hf_config(args, 2000, 1, 2)  # the trained model's flags export
     with pytest.raises(NotExportable, match=needle.replace("[", r"\[")):
         hf_config({**args, **changes}, 2000, 1, 2)
+
+
+def test_what_models_mla_answers_still_holds():
+    """megatron-core's local DotProductAttention still refuses MLA's k_channels/v_channels, and
+    without Transformer Engine multi_latent_attention.py's TELinear is no class (models/mla.py
+    answers both; this fails once either is no longer so)."""
+    import inspect
+
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer import multi_latent_attention
+
+    from parm_trainer.models.backend import installed
+
+    assert "v_channels" not in inspect.signature(DotProductAttention.__init__).parameters
+    if not installed("transformer_engine"):
+        assert not isinstance(multi_latent_attention.TELinear, type)

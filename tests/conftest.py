@@ -22,7 +22,7 @@ import pytest
 from torchrun_server import RENDEZVOUS_HUNG
 
 # fixtures kept in modules of their own: the data sets, and what the bad-input tests share
-pytest_plugins = ["data_fixtures", "bad_input_fixtures"]
+pytest_plugins = ["data_fixtures", "bad_input_fixtures", "world_fixtures"]
 
 ROOT = Path(__file__).resolve().parents[1]
 # auto's start-up measurements (parm_trainer/schedule/tune.py) in one cache for the whole

@@ -54,3 +54,25 @@ def bert_data(gpt_data):
              "--output-prefix", out / "bert", "--tokenizer-type", "SentencePieceTokenizer",
              "--tokenizer-model", gpt_data["tokenizer"], "--split-sentences", "--workers", 1)
     return {**gpt_data, "prefix": str(out / "bert_text_sentence")}
+
+
+@pytest.fixture(scope="session")
+def hf_dir(gpt_data, tmp_path_factory):
+    """A byte-level BPE (the `tokenizers` library) on the GPT corpus, as the Hugging Face
+    families ship theirs: tokenizer.json whose post-processor puts <s> before a text, eos
+    <|endoftext|>, saved by transformers beside a stand-in model file."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers.processors import TemplateProcessing
+
+    out = tmp_path_factory.mktemp("hf_tokenizer")
+    texts = [json.loads(line)["text"] for line in open(gpt_data["dir"] / "corpus.jsonl")]
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts, vocab_size=800, min_frequency=2,
+                            special_tokens=["<|endoftext|>", "<s>"], show_progress=False)
+    bpe.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[
+        ("<s>", bpe.token_to_id("<s>"))])
+    PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>",
+                            eos_token="<|endoftext|>").save_pretrained(out)
+    (out / "model.safetensors").write_bytes(b"\0" * 4096)  # a model's weights beside it
+    return out

@@ -306,14 +306,15 @@ def test_convert_refuses(entry, junk, capsys):
         (["--loader", "hf", "--saver", "hf", "--load-dir", junk, "--save-dir", out], 1,
          ["--loader hf --saver hf: nothing to convert"]),
         (["--loader", "hf", "--saver", "parm", "--load-dir", mixtral, "--save-dir", out], 1,
-         [f"{mixtral} has no tokenizer.model (SentencePiece): give --tokenizer-model"]),
+         [f"{mixtral} has no tokenizer.model (SentencePiece) nor tokenizer.json (Hugging Face): "
+          f"give --tokenizer-model"]),
         (["--loader", "hf", "--saver", "parm", "--load-dir", mixtral, "--save-dir", out,
           "--tokenizer-model", junk / "garbage.model"], 1,
          [f"--tokenizer-model {junk}/garbage.model is not a SentencePiece model"]),
         (["--loader", "parm", "--saver", "hf", "--load-dir", junk / "no_vocab_ckpt",
           "--save-dir", out], 1,
          ["was trained with --tokenizer-type GPT2BPETokenizer; the Hugging Face export carries "
-          "SentencePiece tokenizers only"]),
+          "SentencePiece and HuggingFaceTokenizer tokenizers only"]),
     ]:
         assert_refused(main, argv, capsys, status, *needles)
         assert not out.exists()

@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from parm_trainer.compat import cpu
 
@@ -112,17 +111,6 @@ def assert_fails(unpatched_failures, check, *fragments):
 @pytest.fixture(scope="module")
 def patched():
     return cpu.apply()
-
-
-@pytest.fixture(scope="module")
-def single_rank_gloo(patched):
-    """A one-rank gloo world, for megatron code that reduces over a process group."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    if created:
-        dist.destroy_process_group()
 
 
 def call_from_module(module_name, fn, *args):
@@ -363,7 +351,7 @@ def test_cuda_literals_module_still_has_literal(patched, module_name):
     assert module.torch.nn is torch.nn
 
 
-def test_cuda_literals_patched(patched, single_rank_gloo):
+def test_cuda_literals_patched(patched, one_rank_gloo):
     """Listed modules make CPU tensors; torch elsewhere is untouched; FP32Optimizer steps on CPU."""
     assert torch.equal(get_default_causal_mask(5), torch.triu(torch.ones(5, 5), diagonal=1).bool())
     with pytest.raises((AssertionError, RuntimeError)):
@@ -384,7 +372,7 @@ def test_cuda_literals_patched(patched, single_rank_gloo):
         optimizer = FP32Optimizer(
             torch.optim.SGD(params, lr=0.1), OptimizerConfig(lr=0.1, clip_grad=1.0), None
         )
-    optimizer.tp_group = optimizer.grad_stats_parallel_group = single_rank_gloo
+    optimizer.tp_group = optimizer.grad_stats_parallel_group = one_rank_gloo
     assert torch.equal(optimizer.get_loss_scale(), torch.tensor([1.0]))
     success, grad_norm, _ = optimizer.step()
     assert success

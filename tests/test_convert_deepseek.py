@@ -1,9 +1,10 @@
 """DeepSeek-V3 (multi-latent attention, sigmoid group-limited routing with the expert bias,
 shared experts, dense first layers, YaRN) against Hugging Face transformers.
 
-A random DeepseekV3ForCausalLM made by transformers imports with transformers' logits (one rank;
-and under TP2 x PP2 x EP2 with ESP 1, where its greedy continuation is transformers' too, as on
-one rank through tools/generate.py) and exports back bit for bit; a checkpoint with
+A random DeepseekV3ForCausalLM made by transformers, saved in shards with
+model.safetensors.index.json, imports with transformers' logits (one rank; and under TP2 x PP2 x
+EP2 with ESP 1, where its greedy continuation is transformers' too, as on one rank through
+tools/generate.py) and exports back in shards (--max-shard-size), bit for bit; a checkpoint with
 rope_interleave false imports to the same function; what the project's model cannot compute
 alike is refused in one line. A model trained with multi-latent attention under TP2 x EP2 x
 SP exports to a DeepseekV3ForCausalLM transformers loads with no missing or unexpected keys,
@@ -20,10 +21,10 @@ import torch
 
 from conftest import free_port, launch, tiny_gpt_args, torchrun
 from test_convert import PROMPT, _project_logits, _sequences, convert, generate
+from test_convert_stream import _assert_same_weights, _weights
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    from safetensors.torch import load_file
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -39,13 +40,15 @@ DEEPSEEK = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                 qk_nope_head_dim=16, n_group=2, topk_group=1, num_experts_per_tok=2,
                 first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=128,
                 rope_parameters=YARN)
+SHARD = "300KB"  # the model is about 2 MB: several shards both ways
 LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
           "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
 
 
 def _deepseek(directory, tokenizer, **changes):
-    """A random DeepSeek-V3 saved by transformers, its norms, router and expert bias drawn too
-    (transformers' init leaves them constant), with the SentencePiece tokenizer beside it."""
+    """A random DeepSeek-V3 saved by transformers in shards of SHARD, its norms, router and
+    expert bias drawn too (transformers' init leaves them constant), with the SentencePiece
+    tokenizer beside it."""
     sp = sentencepiece.SentencePieceProcessor(model_file=tokenizer)
     config = DeepseekV3Config(**{**DEEPSEEK, **changes}, vocab_size=sp.vocab_size(),
                               bos_token_id=sp.bos_id(), eos_token_id=sp.eos_id())
@@ -59,9 +62,13 @@ def _deepseek(directory, tokenizer, **changes):
                 param.normal_(0.0, 0.5)
         for layer in model.model.layers[config.first_k_dense_replace:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
-    model.save_pretrained(directory)
+    model.save_pretrained(directory, max_shard_size=SHARD)
     shutil.copyfile(tokenizer, directory / "tokenizer.model")
     return model
+
+
+def _weights_files(directory) -> list:
+    return sorted(path.name for path in directory.iterdir() if path.suffix == ".safetensors")
 
 
 def _import(original, imported):
@@ -77,7 +84,7 @@ def deepseek(gpt_data, tmp_path_factory):
     model = _deepseek(tmp / "original", gpt_data["tokenizer"])
     printed = _import(tmp / "original", tmp / "imported")
     back = convert("--loader", "parm", "--saver", "hf", "--load-dir", tmp / "imported",
-                   "--save-dir", tmp / "back")
+                   "--save-dir", tmp / "back", "--max-shard-size", SHARD)
     assert back.returncode == 0, back.stderr[-3000:]
     assert "DeepseekV3ForCausalLM" in back.stdout
     return model, printed, tmp
@@ -93,10 +100,8 @@ def test_import_has_transformers_logits_and_exports_bit_for_bit(deepseek, gpt_da
                   "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-num-groups 2",
                   "--moe-router-group-topk 1", "--moe-router-topk-scaling-factor 2.5"):
         assert flags in printed, flags
-    original, exported = (load_file(tmp / name / "model.safetensors")
-                          for name in ("original", "back"))
-    assert sorted(original) == sorted(exported)
-    assert not [key for key, tensor in original.items() if not torch.equal(tensor, exported[key])]
+    _assert_same_weights(tmp / "original", tmp / "back")
+    assert len(_weights_files(tmp / "back")) > 2
     sequences = _sequences(gpt_data)
     ours = _project_logits(tmp / "imported", sequences, tmp / "logits.pt")[..., :2000]
     with torch.no_grad():
@@ -109,7 +114,8 @@ def test_import_has_transformers_logits_and_exports_bit_for_bit(deepseek, gpt_da
 
     words = printed.split("pretrain_gpt_moe.py", 1)[1].split("--tokenizer-model")[0].split()
     sizes = attention_sizes(parse_args(words + ["--mock-data"], world_size=1))
-    attention = sum(t.numel() for k, t in original.items() if "layers.0.self_attn." in k)
+    attention = sum(t.numel() for k, t in _weights(tmp / "original").items()
+                    if "layers.0.self_attn." in k)
     assert sizes["split"] + sizes["whole"] == attention
 
 

@@ -14,7 +14,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from conftest import launch, max_relative, tiny_gpt_args
 from parm_trainer.compat import cpu
@@ -44,16 +43,6 @@ FP16_VS_FP32 = 1e-3
 @pytest.fixture(scope="module")
 def patched():
     return cpu.apply()  # megatron-core's scalers create their tensors on 'cuda'
-
-
-@pytest.fixture
-def one_rank_gloo(patched):
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    if created:
-        dist.destroy_process_group()
 
 
 def test_flags_are_megatrons():

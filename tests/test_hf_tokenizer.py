@@ -1,17 +1,18 @@
 """--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR (Megatron-LM's type).
 
-A tokenizer made here the way the Hugging Face MoE families ship theirs: a byte-level BPE in
-tokenizer.json whose post-processor puts bos before a text (Llama's habit), eos as
-<|endoftext|>, saved by transformers beside a stand-in model file. Its ids are transformers'
-AutoTokenizer's; it preprocesses, trains a 2-rank MoE run whose checkpoint carries the
-tokenizer's files (not the model file beside them), and generates with no tokenizer flag.
+A tokenizer made the way the Hugging Face MoE families ship theirs (data_fixtures.py hf_dir: a
+byte-level BPE in tokenizer.json whose post-processor puts bos before a text, Llama's habit, eos
+as <|endoftext|>, saved by transformers beside a stand-in model file). Its ids are
+transformers' AutoTokenizer's (on test_tokenizers.TEXTS: 20 texts, non-ASCII among them); it
+preprocesses, trains a 2-rank MoE run whose checkpoint carries the tokenizer's files (not the
+model file beside them), and generates with no tokenizer flag. Conversion with it:
+test_convert_stream.py.
 """
 
 import json
 import warnings
 
 import numpy
-import pytest
 
 from conftest import free_port, launch, python, tiny_gpt_args, torchrun
 from parm_trainer.data.tokenizer import build_tokenizer
@@ -19,25 +20,7 @@ from test_tokenizers import PROMPT, TEXTS
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-
-@pytest.fixture(scope="module")
-def hf_dir(gpt_data, tmp_path_factory):
-    from tokenizers import ByteLevelBPETokenizer
-    from tokenizers.processors import TemplateProcessing
-
-    out = tmp_path_factory.mktemp("hf_tokenizer")
-    texts = [json.loads(line)["text"] for line in open(gpt_data["dir"] / "corpus.jsonl")]
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(texts, vocab_size=800, min_frequency=2,
-                            special_tokens=["<|endoftext|>", "<s>"], show_progress=False)
-    bpe.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[
-        ("<s>", bpe.token_to_id("<s>"))])
-    PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>",
-                            eos_token="<|endoftext|>").save_pretrained(out)
-    (out / "model.safetensors").write_bytes(b"\0" * 4096)  # a model's weights beside it
-    return out
+    from transformers import AutoTokenizer
 
 
 def test_ids_are_autotokenizers(hf_dir):

@@ -6,7 +6,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from parm_trainer.arguments import ArgumentsError, parse_args
 from parm_trainer.planning.checks import validate_layout
@@ -54,24 +53,6 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--disable-bias-linear", "--moe-parm-schedule", "s1", "--moe-parm-chunks", "1"]
 VOCAB = 1024
 STD = 0.02
-
-
-@pytest.fixture(scope="module")
-def one_rank_world():
-    """A one-rank gloo world with megatron's process groups, torn down after this module."""
-    from megatron.core import parallel_state
-
-    from parm_trainer.compat import cpu
-
-    cpu.apply()
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    yield
-    parallel_state.destroy_model_parallel()
-    if created:
-        dist.destroy_process_group()
 
 
 def build_tiny(megatron_seed, *extra):

@@ -7,13 +7,12 @@ real megatron-core model."""
 import itertools
 import re
 import random
-from dataclasses import replace
 
 import pytest
 import torch
 
 from conftest import load_module
-from test_models_init import build_tiny, one_rank_world  # noqa: F401 (fixture)
+from test_models_init import build_tiny
 
 from parm_trainer.moe.cost_profile import DEFAULT_PROFILE, Profile
 from parm_trainer.planning.model_cost import ModelCost, Piece, moe_layers

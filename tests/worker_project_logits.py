@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from parm_trainer.convert.hf import load_one_rank
+from parm_trainer.convert.single_process import load_one_rank
 
 checkpoint, inputs, out = sys.argv[1:4]
 model, _ = load_one_rank(checkpoint)

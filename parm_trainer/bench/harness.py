@@ -246,10 +246,11 @@ def run(args):
     import json
 
     from parm_trainer.bench import flags
-    from parm_trainer.compat import cpu
+    from parm_trainer.compat import cpu, cpu_allocator
     from parm_trainer.progress import Progress
 
     cpu.apply()
+    cpu_allocator.tune()
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False

@@ -6,16 +6,24 @@ tensor is whole): megatron-core's local layer names. The Hugging Face side is a 
 (`...experts.N.<projection>.weight`) that transformers 4.x loads as it is and 5.x converts on
 load (and writes itself in save_pretrained).
 
-Two layouts differ:
+The map is data: rules() lists every tensor of the project's model as a Rule, its name, the
+Hugging Face names it is made of, and a split and a merge between them; zeros() lists the
+Hugging Face tensors the model lacks. to_hf and from_hf apply the rules to a whole state dict;
+the streaming converters (hf.py) apply them one tensor, or one layer, at a time. Three rules
+are not renames:
 - attention: megatron keeps one fused QKV weight, grouped per key/value head: for each of the g
   groups, its n/g query heads, then its key head, then its value head (d rows each); Hugging
   Face has separate q_proj, k_proj, v_proj with heads in order (query head j uses key/value
   head j // (n/g), which is the same grouping);
 - SwiGLU MLPs (experts and dense layers): megatron's fc1 is [gate; up] (the first half goes
-  through SiLU), Hugging Face has the gate and the up projection apart; fc2 is the down one.
+  through SiLU), Hugging Face has the gate and the up projection apart; fc2 is the down one;
+- the embedding (and an untied output layer): the project pads its rows with zeros past the
+  Hugging Face vocabulary.
 A Target may also have tensors the project's model does not (Qwen2-MoE's QKV biases and shared
 expert): they are written as zeros of the right shape, so the function is the same, and an
-import refuses them unless they are zero.
+import refuses them unless they are zero. A Target with an attention of its own (DeepSeek-V3's
+multi-latent attention) gives that attention's Rules in place of the fused QKV rule, and one
+with more tensors in a layer (an expert bias, shared experts) gives them as extra Rules.
 """
 
 from __future__ import annotations
@@ -114,7 +122,7 @@ class Shape:
     dense_ffn: int  # a dense layer's
     tied: bool
     moe: tuple  # per layer: is it an MoE layer
-    shared_ffn: int = 0  # the shared expert's (0: none)
+    shared_ffn: int = 0  # the shared experts' (0: none)
     expert_bias: bool = False  # the router's aux-loss-free bias
     q_lora_rank: Optional[int] = None  # multi-latent attention's query latent (None: none)
 
@@ -141,129 +149,161 @@ class Target:
     expert: Callable  # e -> (gate, up, down) names under the layer
     dense: tuple  # (gate, up, down) of a dense layer's MLP, under the layer
     zeros: Callable  # (shape, layer index) -> {name: tensor shape}: what the model lacks
-    # (shape, layer index) -> [(ours, theirs)] under the layers' prefixes: the attention's
-    # tensors in place of the fused QKV (None: megatron's fused QKV <-> q, k, v_proj)
+    # (shape, layer index) -> more Rules of that layer: tensors only some classes have
+    extra: Callable = lambda shape, i: ()
+    # (shape, layer index) -> the Rules of that layer's attention in place of megatron's fused
+    # QKV <-> q_proj, k_proj, v_proj (None: that one)
     attention: Optional[Callable] = None
-    more: Optional[Callable] = None  # (shape, layer index) -> [(ours, theirs)]: more tensors
-    more_fc1: Optional[Callable] = None  # (shape, layer index) -> [(ours, [gate, up], rows)]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One tensor of the project's model and the Hugging Face tensors it is made of, read
+    both ways: split(ours) gives theirs in order, merge([theirs in order]) gives ours."""
+    ours: str
+    theirs: tuple
+    split: Callable
+    merge: Callable
 
 
 def _layer(i: int) -> str:
     return f"model.layers.{i}."
 
 
-def _renames(shape: Shape, target: Target) -> list:
-    """(ours, theirs) for every tensor that is the same in both, layer by layer."""
-    pairs = [("decoder.final_layernorm.weight", "model.norm.weight")]
-    for i in range(shape.layers):
-        ours, theirs = f"decoder.layers.{i}.", _layer(i)
-        pairs += [(ours + "self_attention.linear_proj.weight", theirs + "self_attn.o_proj.weight"),
-                  (ours + "input_layernorm.weight", theirs + "input_layernorm.weight"),
-                  (ours + "pre_mlp_layernorm.weight", theirs + "post_attention_layernorm.weight")]
-        for mine, other in ((target.attention or _none)(shape, i)
-                            + (target.more or _none)(shape, i)):
-            pairs.append((ours + mine, theirs + other))
-        if shape.moe[i]:
-            pairs.append((ours + "mlp.router.weight", theirs + target.router))
-            pairs += [(f"{ours}mlp.experts.local_experts.{e}.linear_fc2.weight",
-                       theirs + target.expert(e)[2]) for e in range(shape.experts)]
-        else:
-            pairs.append((ours + "mlp.linear_fc2.weight", theirs + target.dense[2]))
-    return pairs
+def layer_of(name: str):
+    """The layer index of a name on either side (decoder.layers.{i}. or model.layers.{i}.),
+    else None (embedding, final norm, output layer)."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit():
+        return int(parts[2])
+    return None
 
 
-def _none(shape: Shape, i: int) -> list:
-    return []
+def same(ours: str, theirs: str) -> Rule:
+    return Rule(ours, (theirs,), lambda t: (t,), lambda ts: ts[0])
 
 
-def _vocabulary(shape: Shape) -> list:
-    pairs = [("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
-    if not shape.tied:
-        pairs.append(("output_layer.weight", "lm_head.weight"))
-    return pairs
+def _rows(ours: str, theirs: str, vocab_size, padded_vocab_size) -> Rule:
+    """Embedding rows: Hugging Face holds the vocabulary's, the project pads them (zeros) for
+    tensor parallelism."""
+    def merge(ts):
+        import torch
+
+        padded = torch.zeros(padded_vocab_size, ts[0].shape[1], dtype=ts[0].dtype,
+                             device=ts[0].device)
+        padded[:ts[0].shape[0]] = ts[0]
+        return padded
+    return Rule(ours, (theirs,), lambda t: (t[:vocab_size],), merge)
 
 
-def _qkv(target: Target, i: int) -> list:
-    """[(ours, [q, k, v])]: megatron's fused QKV of layer i (none where the target's attention
-    has its own names)."""
-    if target.attention is not None:
-        return []
-    attention = _layer(i) + "self_attn."
-    return [(f"decoder.layers.{i}.self_attention.linear_qkv.weight",
-             [attention + name for name in ("q_proj.weight", "k_proj.weight", "v_proj.weight")])]
-
-
-def _fc1s(shape: Shape, target: Target, i: int) -> list:
-    """(ours, [gate, up], rows of each half) of layer i's SwiGLU fc1 weights."""
-    ours, theirs = f"decoder.layers.{i}.mlp.", _layer(i)
-    if not shape.moe[i]:
-        return [(ours + "linear_fc1.weight", [theirs + n for n in target.dense[:2]],
-                 shape.dense_ffn)]
-    more = [(f"decoder.layers.{i}.{mine}", [theirs + n for n in parts], rows)
-            for mine, parts, rows in (target.more_fc1 or _none)(shape, i)]
-    return [(f"{ours}experts.local_experts.{e}.linear_fc1.weight",
-             [theirs + n for n in target.expert(e)[:2]], shape.ffn)
-            for e in range(shape.experts)] + more
-
-
-def to_hf(state: dict, shape: Shape, target: Target, vocab_size: int) -> dict:
-    """The target's tensors (the first vocab_size embedding rows) of a one-rank state dict."""
+def _qkv(shape: Shape, i: int) -> Rule:
+    """megatron's fused QKV, grouped per key/value head <-> q_proj, k_proj, v_proj."""
     import torch
 
     h, groups, channels = shape.h, shape.groups, shape.channels
     per_group = shape.heads // groups
-    out = {theirs: state[ours] for ours, theirs in _renames(shape, target)}
-    out.update({theirs: state[ours][:vocab_size] for ours, theirs in _vocabulary(shape)})
+    attention = _layer(i) + "self_attn."
+
+    def split(t):
+        qkv = t.view(groups, per_group + 2, channels, h)
+        return (qkv[:, :per_group].reshape(-1, h), qkv[:, per_group].reshape(-1, h),
+                qkv[:, per_group + 1].reshape(-1, h))
+
+    def merge(ts):
+        q, k, v = ts
+        return torch.cat([q.view(groups, per_group, channels, h), k.view(groups, 1, channels, h),
+                          v.view(groups, 1, channels, h)], dim=1).reshape(-1, h)
+    return Rule(f"decoder.layers.{i}.self_attention.linear_qkv.weight",
+                tuple(attention + f"{p}_proj.weight" for p in "qkv"), split, merge)
+
+
+def glu(ours: str, gate: str, up: str) -> Rule:
+    """A SwiGLU fc1, [gate; up] in megatron, the two projections apart in Hugging Face."""
+    import torch
+
+    def split(t):
+        rows = t.shape[0] // 2
+        return t[:rows], t[rows:]
+    return Rule(ours, (gate, up), split, lambda ts: torch.cat(list(ts)))
+
+
+def rules(shape: Shape, target: Target, vocab_size=None, padded_vocab_size=None) -> list:
+    """Every tensor of the project's model as a Rule, the embedding first, then layer by layer,
+    then the final norm and the output layer. vocab_size (the Hugging Face embedding's rows)
+    is what split needs, padded_vocab_size what merge needs."""
+    out = [_rows("embedding.word_embeddings.weight", "model.embed_tokens.weight", vocab_size,
+                 padded_vocab_size)]
     for i in range(shape.layers):
-        for ours, (q, k, v) in _qkv(target, i):
-            qkv = state[ours].view(groups, per_group + 2, channels, h)
-            out[q] = qkv[:, :per_group].reshape(-1, h)
-            out[k] = qkv[:, per_group].reshape(-1, h)
-            out[v] = qkv[:, per_group + 1].reshape(-1, h)
-        for ours, (gate, up), rows in _fc1s(shape, target, i):
-            out[gate], out[up] = state[ours][:rows], state[ours][rows:]
-        for name, size in target.zeros(shape, i).items():
-            out[_layer(i) + name] = torch.zeros(size, dtype=state[ours].dtype)
-    return {key: value.detach().clone().contiguous() for key, value in out.items()}
+        ours, theirs = f"decoder.layers.{i}.", _layer(i)
+        out += [same(ours + "input_layernorm.weight", theirs + "input_layernorm.weight"),
+                *(target.attention(shape, i) if target.attention else [_qkv(shape, i)]),
+                same(ours + "self_attention.linear_proj.weight", theirs + "self_attn.o_proj.weight"),
+                same(ours + "pre_mlp_layernorm.weight", theirs + "post_attention_layernorm.weight")]
+        if shape.moe[i]:
+            out.append(same(ours + "mlp.router.weight", theirs + target.router))
+            for e in range(shape.experts):
+                gate, up, down = (theirs + name for name in target.expert(e))
+                expert = f"{ours}mlp.experts.local_experts.{e}."
+                out += [glu(expert + "linear_fc1.weight", gate, up),
+                        same(expert + "linear_fc2.weight", down)]
+        else:
+            gate, up, down = (theirs + name for name in target.dense)
+            out += [glu(ours + "mlp.linear_fc1.weight", gate, up),
+                    same(ours + "mlp.linear_fc2.weight", down)]
+        out += list(target.extra(shape, i))
+    out.append(same("decoder.final_layernorm.weight", "model.norm.weight"))
+    if not shape.tied:
+        out.append(_rows("output_layer.weight", "lm_head.weight", vocab_size, padded_vocab_size))
+    return out
+
+
+def zeros(shape: Shape, target: Target, layers=None) -> dict:
+    """The Hugging Face tensors the project's model lacks (written as zeros, refused on import
+    unless zero): name -> shape, for the given layers (all by default)."""
+    return {_layer(i) + name: size for i in (range(shape.layers) if layers is None else layers)
+            for name, size in target.zeros(shape, i).items()}
+
+
+def check_zeros(read: Callable, present, shape: Shape, target: Target) -> None:
+    """Refuse, by name, a tensor the model lacks that is not zero (read: name -> tensor; only
+    the names present are read)."""
+    for name, size in zeros(shape, target).items():
+        if name not in present:
+            continue
+        tensor = read(name)
+        if list(tensor.shape) != list(size) or tensor.any():
+            raise NotExportable(f"{name} (shape {list(tensor.shape)}) is not zero: the "
+                                f"project's model has no such tensor")
+
+
+def to_hf(state: dict, shape: Shape, target: Target, vocab_size: int, zeros_of=None) -> dict:
+    """The target's tensors (the first vocab_size embedding rows) of a one-rank state dict, or
+    of a part of one: the rules whose tensor it holds, and the zeros of the layers zeros_of
+    names (by default those it holds a tensor of). Views of state's tensors where they can be."""
+    import torch
+
+    out = {}
+    for rule in rules(shape, target, vocab_size=vocab_size):
+        if rule.ours in state:
+            out.update(zip(rule.theirs, rule.split(state[rule.ours])))
+    like = next(iter(state.values()))
+    held = {layer_of(name) for name in state} - {None} if zeros_of is None else zeros_of
+    for name, size in zeros(shape, target, sorted(held)).items():
+        out[name] = torch.zeros(size, dtype=like.dtype, device=like.device)
+    return {key: value.detach().contiguous() for key, value in out.items()}
 
 
 def from_hf(tensors: dict, shape: Shape, target: Target, padded_vocab_size: int) -> dict:
     """A one-rank state dict from the target's tensors; embedding rows past the Hugging Face
     vocabulary (the project pads it for tensor parallelism) are zero. A tensor the model lacks
     must be zero (and of the shape the target gives it), else it is refused by name."""
-    import torch
-
-    h, groups, channels = shape.h, shape.groups, shape.channels
-    per_group = shape.heads // groups
-    state = {ours: tensors[theirs] for ours, theirs in _renames(shape, target)}
-    for ours, theirs in _vocabulary(shape):
-        weight = tensors[theirs]
-        state[ours] = torch.zeros(padded_vocab_size, weight.shape[1], dtype=weight.dtype)
-        state[ours][:weight.shape[0]] = weight
-    for i in range(shape.layers):
-        for ours, (q, k, v) in _qkv(target, i):
-            state[ours] = torch.cat([tensors[q].view(groups, per_group, channels, h),
-                                     tensors[k].view(groups, 1, channels, h),
-                                     tensors[v].view(groups, 1, channels, h)],
-                                    dim=1).reshape(-1, h)
-        for ours, parts, _ in _fc1s(shape, target, i):
-            state[ours] = torch.cat([tensors[name] for name in parts])
-        for name, size in target.zeros(shape, i).items():
-            tensor = tensors.get(_layer(i) + name)
-            if tensor is not None and (list(tensor.shape) != list(size) or tensor.any()):
-                raise NotExportable(
-                    f"{_layer(i) + name} (shape {list(tensor.shape)}) is not zero: the "
-                    f"project's model has no such tensor")
-    return state
+    check_zeros(tensors.__getitem__, tensors, shape, target)
+    return {rule.ours: rule.merge([tensors[name] for name in rule.theirs])
+            for rule in rules(shape, target, padded_vocab_size=padded_vocab_size)}
 
 
 def hf_names(shape: Shape, target: Target, with_zeros: bool = True) -> set:
     """Every tensor name a target's directory for this shape holds (with_zeros: also those of
     the tensors the project's model lacks, which an import may go without)."""
-    names = {theirs for _, theirs in _renames(shape, target) + _vocabulary(shape)}
-    for i in range(shape.layers):
-        names |= {name for _, parts in _qkv(target, i) for name in parts}
-        names |= {name for _, parts, _ in _fc1s(shape, target, i) for name in parts}
-        if with_zeros:
-            names |= {_layer(i) + name for name in target.zeros(shape, i)}
-    return names
+    names = {name for rule in rules(shape, target) for name in rule.theirs}
+    return names | set(zeros(shape, target)) if with_zeros else names

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 
-from parm_trainer.convert.decoder import NotExportable, Target, common_flags
+from parm_trainer.convert.decoder import NotExportable, Target, common_flags, glu, same
 from parm_trainer.layer_pattern import moe_layer_pattern
 
 CONFIG_CLASS = "DeepseekV3Config"
@@ -35,7 +35,7 @@ LATENT_EPS = 1e-6  # transformers' q_a_layernorm and kv_a_layernorm: DeepseekV3R
 
 
 def _attention(shape, i: int) -> list:
-    ours, theirs = "self_attention.", "self_attn."
+    """The Rules of layer i's multi-latent attention (renames, tensor for tensor)."""
     if shape.q_lora_rank is None:
         query = [("linear_q_proj", "q_proj")]
     else:
@@ -43,27 +43,25 @@ def _attention(shape, i: int) -> list:
                  ("linear_q_up_proj", "q_b_proj")]
     pairs = query + [("linear_kv_down_proj", "kv_a_proj_with_mqa"),
                      ("kv_layernorm", "kv_a_layernorm"), ("linear_kv_up_proj", "kv_b_proj")]
-    return [(f"{ours}{a}.weight", f"{theirs}{b}.weight") for a, b in pairs]
+    return [same(f"decoder.layers.{i}.self_attention.{ours}.weight",
+                 f"model.layers.{i}.self_attn.{theirs}.weight") for ours, theirs in pairs]
 
 
-def _more(shape, i: int) -> list:
+def _extra(shape, i: int) -> list:
+    """The Rules of an MoE layer's expert bias and shared experts, where the model has them."""
     if not shape.moe[i]:
         return []
-    pairs = []
+    ours, theirs = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
+    out = []
     if shape.expert_bias:
-        pairs.append(("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias"))
+        out.append(same(ours + "router.expert_bias", theirs + "gate.e_score_correction_bias"))
     if shape.shared_ffn:
-        pairs.append(("mlp.shared_experts.linear_fc2.weight",
-                      "mlp.shared_experts.down_proj.weight"))
-    return pairs
-
-
-def _more_fc1(shape, i: int) -> list:
-    if not (shape.moe[i] and shape.shared_ffn):
-        return []
-    return [("mlp.shared_experts.linear_fc1.weight",
-             ["mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"],
-             shape.shared_ffn)]
+        out += [glu(ours + "shared_experts.linear_fc1.weight",
+                    theirs + "shared_experts.gate_proj.weight",
+                    theirs + "shared_experts.up_proj.weight"),
+                same(ours + "shared_experts.linear_fc2.weight",
+                     theirs + "shared_experts.down_proj.weight")]
+    return out
 
 
 def _zeros(shape, i: int) -> dict:
@@ -83,7 +81,7 @@ TARGET = Target(class_name="DeepseekV3ForCausalLM", router="mlp.gate.weight",
                 expert=lambda e: tuple(f"mlp.experts.{e}.{p}_proj.weight"
                                        for p in ("gate", "up", "down")),
                 dense=tuple(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
-                zeros=_zeros, attention=_attention, more=_more, more_fc1=_more_fc1)
+                zeros=_zeros, extra=_extra, attention=_attention)
 
 
 def _first_dense(args: dict) -> int:
@@ -249,24 +247,22 @@ def model_flags(config: dict) -> dict:
             "moe_shared_expert_intermediate_size": shared * ffn or None}
 
 
-def hf_tensors(tensors: dict, config: dict) -> dict:
-    """The checkpoint's tensors as megatron-core's MLA takes them: with rope_interleave false,
-    each rotary block's rows (x_0 .. x_{d/2-1}, x_{d/2} .. x_{d-1}) interleaved to (x_0,
-    x_{d/2}, x_1, x_{d/2+1}, ...), which megatron-core's MLA pairs as transformers pairs the
-    halves."""
+def hf_tensor(name: str, tensor, config: dict):
+    """A checkpoint's tensor as megatron-core's MLA takes it: with rope_interleave false, each
+    rotary block's rows (x_0 .. x_{d/2-1}, x_{d/2} .. x_{d-1}) interleaved to (x_0, x_{d/2},
+    x_1, x_{d/2+1}, ...), which megatron-core's MLA pairs as transformers pairs the halves;
+    every other tensor as it is."""
     if config.get("rope_interleave", True):
-        return tensors
+        return tensor
     import torch
 
     rope, nope = config["qk_rope_head_dim"], config["qk_nope_head_dim"]
     order = torch.arange(rope).view(2, rope // 2).t().reshape(-1)  # 0, d/2, 1, d/2 + 1, ...
-    heads, latent = config["num_attention_heads"], config["kv_lora_rank"]
-    out = dict(tensors)
-    for name, tensor in tensors.items():
-        if name.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")):
-            per_head = tensor.view(heads, nope + rope, -1)
-            out[name] = torch.cat([per_head[:, :nope], per_head[:, nope:][:, order]],
-                                  dim=1).reshape(tensor.shape)
-        elif name.endswith("self_attn.kv_a_proj_with_mqa.weight"):
-            out[name] = torch.cat([tensor[:latent], tensor[latent:][order]])
-    return out
+    if name.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")):
+        per_head = tensor.view(config["num_attention_heads"], nope + rope, -1)
+        return torch.cat([per_head[:, :nope], per_head[:, nope:][:, order]],
+                         dim=1).reshape(tensor.shape)
+    if name.endswith("self_attn.kv_a_proj_with_mqa.weight"):
+        latent = config["kv_lora_rank"]
+        return torch.cat([tensor[:latent], tensor[latent:][order]])
+    return tensor

@@ -1,4 +1,4 @@
-"""Export a GPT-MoE checkpoint to a Hugging Face directory, and import one back.
+"""Export a GPT-MoE checkpoint to a Hugging Face directory, and import one back, streaming.
 
     export_to_hf("runs/demo/checkpoints", "runs/demo/hf")       # any layout in, one process
     import_from_hf("runs/demo/hf", "runs/imported")             # a checkpoint any layout loads
@@ -6,76 +6,36 @@
 The class is MixtralForCausalLM where Mixtral expresses the model (every layer MoE, megatron's
 default router), else Qwen2MoeForCausalLM (--moe-router-pre-softmax, dense layers between the
 MoE layers), DeepseekV3ForCausalLM with multi-latent attention; see mixtral.py, qwen2_moe.py,
-deepseek_v3.py.
+deepseek_v3.py. BERT checkpoints go through hf_bert.py.
 
-Both write into SAVE_DIR.partial and rename it to SAVE_DIR only when everything is written, so
-SAVE_DIR appears whole or not at all; an existing SAVE_DIR is refused before anything is done.
+Neither holds the model: the project's model is built on the meta device (every tensor's name,
+shape and place in a checkpoint, no data). An import makes each checkpoint tensor from the
+Hugging Face tensors its rule (decoder.py) names when the checkpoint writer writes it
+(stream_checkpoint.LazySave), reading them one at a time from the shards
+model.safetensors.index.json names; an export reads the checkpoint a layer at a time
+(stream_checkpoint.CheckpointReader) and writes shards of at most max_shard_size with their index
+(hf_files.ShardWriter). The tokenizer travels along (tokenizer_files.py). Both write into
+SAVE_DIR.partial and rename it to SAVE_DIR only when everything is written (output.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import json
 import os
-import shutil
-
-import sentencepiece
 
 from parm_trainer.convert.bert import FORMAT as BERT_FORMAT
-from parm_trainer.convert.hf_tokenizer import save_hf_tokenizer
 from parm_trainer.convert import deepseek_v3, mixtral, qwen2_moe
-from parm_trainer.convert.decoder import (check_exportable, from_hf, hf_names, legacy_keys,
-                                          shape_of_args, to_hf)
+from parm_trainer.convert.decoder import (check_exportable, check_zeros, hf_names, legacy_keys,
+                                          rules, shape_of_args, to_hf)
+from parm_trainer.convert.output import ConvertError, refuse_existing, written_whole
+from parm_trainer.convert.single_process import latest
+from parm_trainer.convert import tokenizer_files
 from parm_trainer.training.checkpoint import files
 
+__all__ = ["ConvertError", "DEFAULT_MAX_SHARD_SIZE", "export_to_hf", "import_from_hf"]
 # config.json's model_type -> module
 TARGETS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3}
-
-
-class ConvertError(ValueError):
-    """Input the converter cannot use; the message names it."""
-
-
-def _refuse_existing(save_dir: str) -> None:
-    if os.path.exists(save_dir):
-        raise ConvertError(f"--save-dir {save_dir} exists; give a directory that does not")
-
-
-@contextlib.contextmanager
-def written_whole(save_dir: str):
-    _refuse_existing(save_dir)
-    partial = save_dir.rstrip("/") + ".partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
-    try:
-        yield partial
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    os.rename(partial, save_dir)
-
-
-def _latest(load_dir: str) -> str:
-    try:
-        return files.latest_dir(load_dir)
-    except files.CheckpointError as error:
-        raise ConvertError(f"--load-dir {error}") from None
-
-
-def load_one_rank(load_dir: str, **overrides):
-    """(model on one rank with the checkpoint's weights, its tokenizer file)."""
-    path = _latest(load_dir)
-    description = files.read_description(path)
-    tokenizer = os.path.join(path, files.TOKENIZER)
-    from parm_trainer.convert.single_process import build_one_rank_model, one_rank_args
-    from parm_trainer.training import checkpoint  # torch, megatron-core: when needed
-
-    args = one_rank_args(description["args"], tokenizer_model=tokenizer, **overrides)
-    model = build_one_rank_model(args)
-    checkpoint.load_checkpoint(load_dir, [model], None, None, load_optimizer=False,
-                                  load_rng=False)
-    return model, tokenizer
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
 
 
 def target_of(args: dict):
@@ -85,43 +45,87 @@ def target_of(args: dict):
     return mixtral if mixtral.expresses(args) else qwen2_moe
 
 
-def export_to_hf(load_dir: str, save_dir: str) -> str:
+def export_to_hf(load_dir: str, save_dir: str,
+                 max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> str:
     """Write the Hugging Face directory; returns the class it holds."""
-    _refuse_existing(save_dir)
-    description = files.read_description(_latest(load_dir))
+    from parm_trainer.convert.output import parse_size
+
+    max_bytes = parse_size(max_shard_size)
+    refuse_existing(save_dir)
+    path = latest(load_dir)
+    description = files.read_description(path)
     args = description["args"]
-    kind = args.get("tokenizer_type") or "SentencePieceTokenizer"
-    if kind not in ("SentencePieceTokenizer", "Llama2Tokenizer"):  # no tokenizer.model
-        raise ConvertError(f"--load-dir {load_dir} was trained with --tokenizer-type {kind}; "
-                           f"the Hugging Face export carries SentencePiece tokenizers only")
+    kind = tokenizer_files.exported_kind(args, load_dir)
     if description.get("model", "gpt") == "bert":
-        return _export_bert(load_dir, save_dir, description)
+        if kind != tokenizer_files.SENTENCEPIECE:
+            raise ConvertError(f"--load-dir {load_dir}: a BERT exports with a SentencePiece "
+                               f"tokenizer only")
+        from parm_trainer.convert.hf_bert import export_bert_dir
+
+        return export_bert_dir(load_dir, save_dir, description)
     check_exportable(args)
     target = target_of(args)
+    tokenizer = tokenizer_files.of_checkpoint(path, args)
     import transformers  # after the checks: a refusal is instant
-    from safetensors.torch import save_file
 
+    vocab = args.get("hf_vocab_size") or tokenizer.size
     with written_whole(save_dir) as out:
-        from parm_trainer.convert.single_process import close
+        from parm_trainer.convert.single_process import build_one_rank_model, close, one_rank_args
 
-        model, tokenizer = load_one_rank(load_dir)
         try:
-            sp = sentencepiece.SentencePieceProcessor(model_file=tokenizer)
-            vocab = args.get("hf_vocab_size") or sp.vocab_size()
-            state = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
-            save_file(to_hf(state, shape_of_args(args), target.TARGET, vocab),
-                      os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+            model = build_one_rank_model(one_rank_args(args), meta=True)
+            _check_fits(model, path, load_dir)
+            _write_weights(model, path, shape_of_args(args), target.TARGET, vocab, out, max_bytes)
         finally:
             close()
+        tokenizer_files.export(tokenizer, out)
         config = getattr(transformers, target.CONFIG_CLASS)
         config(architectures=[target.TARGET.class_name],
-               **target.hf_config(args, vocab, sp.bos_id(), sp.eos_id())).save_pretrained(out)
+               **target.hf_config(args, vocab, tokenizer.bos, tokenizer.eos)).save_pretrained(out)
         _add_to_json(os.path.join(out, "config.json"), legacy_keys(args))
-        transformers.GenerationConfig(bos_token_id=sp.bos_id(), eos_token_id=sp.eos_id(),
-                         pad_token_id=max(sp.pad_id(), 0)).save_pretrained(out)
-        save_hf_tokenizer(tokenizer, out)
-        shutil.copyfile(tokenizer, os.path.join(out, "tokenizer.model"))  # for the way back
+        transformers.GenerationConfig(bos_token_id=tokenizer.bos, eos_token_id=tokenizer.eos,
+                                      pad_token_id=tokenizer.pad).save_pretrained(out)
     return target.TARGET.class_name
+
+
+def _check_fits(model, path: str, load_dir: str) -> None:
+    """The checkpoint's tensors are the model's (names and shapes), as a training load checks."""
+    from parm_trainer.training.checkpoint.load import _misfit
+
+    problem = _misfit({"model": model.sharded_state_dict()}, path)
+    if problem:
+        raise ConvertError(f"--load-dir {load_dir} does not fit the model its run.json "
+                           f"describes: {problem}")
+
+
+def _uncovered(model, every_rule: list) -> None:
+    from parm_trainer.convert.stream_checkpoint import tensors_of
+
+    missing = sorted(set(tensors_of(model)) - {rule.ours for rule in every_rule})
+    if missing:
+        raise ConvertError(f"no Hugging Face tensor gives the model's {missing[0]} "
+                           f"({len(missing)} such)")
+
+
+def _write_weights(model, path: str, shape, target, vocab: int, out: str, max_bytes: int):
+    """The Hugging Face tensors, a part of the model read at a time (a layer's tensors up to a
+    quarter shard), into shards of at most max_bytes."""
+    from parm_trainer.convert.hf_files import ShardWriter
+    from parm_trainer.convert.stream_checkpoint import CheckpointReader, parts, tensors_of
+
+    _uncovered(model, rules(shape, target))
+    meta, pieces, seen = tensors_of(model), [], set()
+    for layer, names in parts(model, max_bytes // 4):
+        pieces.append((names, [] if layer is None or layer in seen else [layer]))
+        seen.add(layer)
+    plan = [(name, list(tensor.shape), tensor.dtype) for names, zeros_of in pieces
+            for name, tensor in to_hf({n: meta[n] for n in names}, shape, target, vocab,
+                                      zeros_of).items()]
+    writer, reader = ShardWriter(out, plan, max_bytes), CheckpointReader(path, model)
+    for names, zeros_of in pieces:
+        for name, tensor in to_hf(reader.read(names), shape, target, vocab, zeros_of).items():
+            writer.write(name, tensor)
+    writer.close()
 
 
 def _add_to_json(path: str, entries: dict) -> None:
@@ -132,168 +136,93 @@ def _add_to_json(path: str, entries: dict) -> None:
         f.write("\n")
 
 
-def _export_bert(load_dir: str, save_dir: str, description: dict) -> str:
-    """A BERT without MoE layers -> MegatronBert; an MoE BERT -> convert/bert.py's format."""
-    from parm_trainer.convert import megatron_bert
-    from parm_trainer.convert.bert import export_bert
-    from parm_trainer.convert.single_process import close
-
-    args = description["args"]
-    dense = not args.get("num_experts")
-    if dense:
-        megatron_bert.check_exportable(args)
-    with written_whole(save_dir) as out:
-        model, tokenizer = load_one_rank(load_dir)
-        try:
-            if dense:
-                written = _write_megatron_bert(model, args, tokenizer, out)
-            else:
-                export_bert(model, description, tokenizer, out)
-                written = "MoE BERT safetensors (convert/bert.py's format)"
-        finally:
-            close()
-    return written
-
-
-def _write_megatron_bert(model, args: dict, tokenizer: str, out: str) -> str:
-    from safetensors.torch import save_file
-    from transformers import MegatronBertConfig
-
-    from parm_trainer.convert import megatron_bert
-
-    sp = sentencepiece.SentencePieceProcessor(model_file=tokenizer)
-    state = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
-    save_file(megatron_bert.to_hf(state, args, sp.vocab_size()),
-              os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    head = "MegatronBertForPreTraining" if args["bert_binary_head"] else "MegatronBertForMaskedLM"
-    MegatronBertConfig(architectures=[head], **megatron_bert.hf_config(
-        args, sp.vocab_size(), max(sp.pad_id(), 0))).save_pretrained(out)
-    save_hf_tokenizer(tokenizer, out)
-    shutil.copyfile(tokenizer, os.path.join(out, "tokenizer.model"))
-    return head
-
-
-def _read_safetensors(load_dir: str) -> dict:
-    from safetensors import safe_open
-
-    paths = sorted(glob.glob(os.path.join(load_dir, "*.safetensors")))
-    if not paths:
-        raise ConvertError(f"--load-dir {load_dir} has no *.safetensors weights")
-    tensors = {}
-    for file in paths:
-        with safe_open(file, "pt") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
-    return tensors
-
-
-def import_from_hf(load_dir: str, save_dir: str, tokenizer_model: str | None = None) -> tuple:
+def import_from_hf(load_dir: str, save_dir: str, tokenizer_model: str | None = None,
+                   tokenizer_type: str | None = None) -> tuple:
     """Write a weights-only checkpoint (iteration 0) of a Mixtral, Qwen2-MoE (in the form
-    qwen2_moe.py writes) or convert/bert.py directory;
+    qwen2_moe.py writes), DeepSeek-V3 or convert/bert.py directory;
     returns (the entry script, the flags that build its model and load the checkpoint)."""
-    _refuse_existing(save_dir)
+    refuse_existing(save_dir)
     config_file = os.path.join(load_dir, "config.json")
     if not os.path.isfile(config_file):
         raise ConvertError(f"--load-dir {load_dir} is not a Hugging Face model directory "
                            f"(no config.json)")
     config = json.load(open(config_file))
     if config.get("model_type") == BERT_FORMAT:
-        return _import_bert(load_dir, save_dir, config, tokenizer_model)
+        from parm_trainer.convert.hf_bert import import_bert_dir
+
+        return import_bert_dir(load_dir, save_dir, config, tokenizer_model)
     if config.get("model_type") not in TARGETS:
         raise ConvertError(f"config.json has model_type {config.get('model_type')!r}; only "
                            + ", ".join(f"{name!r} ({module.TARGET.class_name})"
                                        for name, module in TARGETS.items()) + " import")
     target = TARGETS[config["model_type"]]
     values = target.model_flags(config)
-    tokenizer_model = tokenizer_model or os.path.join(load_dir, "tokenizer.model")
-    if not os.path.isfile(tokenizer_model):
-        raise ConvertError(f"{load_dir} has no tokenizer.model (SentencePiece): give "
-                           f"--tokenizer-model")
-    from parm_trainer.arguments import command_line
-    from parm_trainer.convert.single_process import build_one_rank_model, close, one_rank_args
-    from parm_trainer.models.config import padded_vocab_size
-    from parm_trainer.training import checkpoint
-
-    try:
-        sp_vocab = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model).vocab_size()
-    except (RuntimeError, OSError) as error:  # "could not parse ModelProto"
-        raise ConvertError(f"--tokenizer-model {tokenizer_model} is not a SentencePiece model "
-                           f"({error})") from None
+    tokenizer = tokenizer_files.choose(load_dir, tokenizer_model, tokenizer_type)
     hf_vocab = config["vocab_size"]
-    padded = padded_vocab_size(sp_vocab, 1)
-    if not sp_vocab <= hf_vocab <= padded:
-        raise ConvertError(
-            f"the tokenizer {tokenizer_model} has {sp_vocab} pieces and the model {hf_vocab} "
-            f"embedding rows; they must agree up to the padding to {padded}")
-    tensors = _read_safetensors(load_dir)
-    tensors = getattr(target, "hf_tensors", lambda given, _: given)(tensors, config)
-    with written_whole(save_dir) as out:
-        args = one_rank_args(values, tokenizer_model=tokenizer_model,
-                             padded_vocab_size=padded, hf_vocab_size=hf_vocab)
-        model = build_one_rank_model(args)
-        try:
-            shape = shape_of_args(values)
-            absent = sorted(hf_names(shape, target.TARGET, with_zeros=False) - set(tensors))
-            if absent:
-                raise ConvertError(f"{load_dir} has no tensor {absent[0]} ({len(absent)} "
-                                   f"such): the weights do not fit config.json")
-            _fill(model, from_hf(tensors, shape, target.TARGET, padded), tensors,
-                  hf_names(shape, target.TARGET))
-            checkpoint.save_checkpoint(out, 0, [model], None, None, 0, args)
-        finally:
-            close()
-    return "pretrain_gpt_moe.py", command_line(values) + [
-        f"--tokenizer-model {save_dir}/iter_0000000/{files.TOKENIZER}", f"--load {save_dir}"]
-
-
-def _import_bert(load_dir: str, save_dir: str, config: dict, tokenizer_model) -> tuple:
-    """An MoE BERT directory (convert/bert.py) back into a checkpoint: every tensor by name."""
-    from parm_trainer.arguments import add_bert_args, command_line
-    from parm_trainer.convert.bert import bert_model_args
-    from parm_trainer.convert.single_process import build_one_rank_model, close
+    padded = tokenizer_files.padded_rows(tokenizer, hf_vocab)
+    from parm_trainer.arguments import command_line
+    from parm_trainer.convert.hf_files import Weights
+    from parm_trainer.convert.single_process import build_one_rank_model, close, one_rank_args
+    from parm_trainer.convert.stream_checkpoint import LazySave
     from parm_trainer.training import checkpoint
 
-    tokenizer_model = tokenizer_model or os.path.join(load_dir, "tokenizer.model")
-    tensors = _read_safetensors(load_dir)
+    weights = Weights(load_dir)
+    if not weights.file:
+        raise ConvertError(f"--load-dir {load_dir} has no *.safetensors weights")
     with written_whole(save_dir) as out:
-        args = bert_model_args(config, tokenizer_model)
-        model = build_one_rank_model(args)
+        args = one_rank_args(values, tokenizer_type=tokenizer.kind,
+                             tokenizer_model=tokenizer.path, padded_vocab_size=padded,
+                             hf_vocab_size=hf_vocab)
+        args.tokenizer = tokenizer.loaded  # a HuggingFaceTokenizer's copy is saved from it
         try:
-            own = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
-            for ours, theirs in ((own, tensors), (tensors, own)):
-                missing = sorted(set(ours) - set(theirs))
-                if missing:
-                    side = "the directory" if theirs is tensors else "the model"
-                    raise ConvertError(f"{missing[0]} is not in {side} ({len(missing)} such)")
-            _copy_into(own, tensors, "the directory")
-            checkpoint.save_checkpoint(out, 0, [model], None, None, 0, args)
+            model = build_one_rank_model(args, meta=True)
+            make = _source(model, weights, shape_of_args(values), target.TARGET, hf_vocab,
+                           padded, load_dir, _reader(target, weights, config))
+            checkpoint.save_checkpoint(out, 0, [model], None, None, 0, args,
+                                       sharded_strategy=LazySave(model, make))
         finally:
             close()
-    flags = {k: v for k, v in config["model_flags"].items() if k != "padded_vocab_size"}
-    return "pretrain_bert_moe.py", command_line(flags, add_bert_args) + [
-        f"--tokenizer-model {save_dir}/iter_0000000/{files.TOKENIZER}", f"--load {save_dir}"]
+    copy = f"{save_dir}/iter_0000000/{files.tokenizer_copy(tokenizer.kind, 'tokenizer_model')}"
+    kind = [] if tokenizer.kind == "SentencePieceTokenizer" else [
+        f"--tokenizer-type {tokenizer.kind}"]
+    return "pretrain_gpt_moe.py", command_line(values) + kind + [
+        f"--tokenizer-model {copy}", f"--load {save_dir}"]
 
 
-def _fill(model, state: dict, tensors: dict, names: set) -> None:
-    """Copy every tensor into the model: none of the model's may be left out, and no Hugging
-    Face tensor may go unused (a bias, a shared expert: something the model cannot hold)."""
-    own = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
-    missing = sorted(set(own) - set(state))
-    if missing:
-        raise ConvertError(f"no Hugging Face tensor gives the model's {missing[0]}")
-    unused = sorted(set(tensors) - names - {"lm_head.weight"})
+def _reader(family, weights, config: dict):
+    """name -> the directory's tensor as the family's rules take it (a family's hf_tensor(name,
+    tensor, config) where it has one, e.g. DeepSeek-V3's rotary rows reordered)."""
+    hook = getattr(family, "hf_tensor", None)
+    if hook is None:
+        return weights.read
+    return lambda name: hook(name, weights.read(name), config)
+
+
+def _source(model, weights, shape, target, hf_vocab: int, padded: int, load_dir: str, read):
+    """name -> the model's tensor made from the directory's (read: name -> its tensor), once
+    the directory is checked:
+    every tensor the model needs present and of the right shape, none unused, the ones the
+    model lacks zero. Only those zeros are read here."""
+    from parm_trainer.convert.stream_checkpoint import tensors_of
+
+    every_rule = rules(shape, target, padded_vocab_size=padded)
+    _uncovered(model, every_rule)
+    absent = sorted(hf_names(shape, target, with_zeros=False) - set(weights.file))
+    if absent:
+        raise ConvertError(f"{load_dir} has no tensor {absent[0]} ({len(absent)} such): the "
+                           f"weights do not fit config.json")
+    unused = sorted(set(weights.file) - hf_names(shape, target) - {"lm_head.weight"})
     if unused:
         raise ConvertError(f"the Hugging Face tensor {unused[0]} has no place in the model "
                            f"({len(unused)} such)")
-    _copy_into(own, state, "Hugging Face")
+    for name, tensor in to_hf(tensors_of(model), shape, target, hf_vocab).items():
+        if name in weights and weights.shapes[name] != list(tensor.shape):
+            raise ConvertError(f"{name}: {load_dir} gives shape {weights.shapes[name]}, the "
+                               f"model has {list(tensor.shape)}")
+    check_zeros(weights.read, weights.file, shape, target)
+    by_ours = {rule.ours: rule for rule in every_rule}
 
-
-def _copy_into(own: dict, state: dict, source: str) -> None:
-    import torch
-
-    with torch.no_grad():
-        for key, value in state.items():
-            if own[key].shape != value.shape:
-                raise ConvertError(f"{key}: {source} gives shape {list(value.shape)}, the model "
-                                   f"has {list(own[key].shape)}")
-            own[key].copy_(value)
+    def make(name: str):
+        rule = by_ours[name]
+        return rule.merge([read(theirs) for theirs in rule.theirs])
+    return make

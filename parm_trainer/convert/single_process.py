@@ -48,9 +48,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_one_rank_model(args: argparse.Namespace):
+def build_one_rank_model(args: argparse.Namespace, meta: bool = False):
     """Start a one-rank process group and build the GPT-MoE (or, with args.model_family "bert",
-    the MoE BERT) args describes, weights drawn as in training from --seed."""
+    the MoE BERT) args describes, weights drawn as in training from --seed; meta: on the meta
+    device, every tensor's name, shape and place in a checkpoint and no data (the streaming
+    converters)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from parm_trainer.compat import cpu
@@ -67,7 +69,12 @@ def build_one_rank_model(args: argparse.Namespace):
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
     build = build_bert_moe if getattr(args, "model_family", "gpt") == "bert" else build_gpt_moe
-    model = build(args, transformer_config(args), args.padded_vocab_size)
+    config = transformer_config(args)
+    if meta:
+        config.perform_initialization = False
+        with torch.device("meta"):  # megatron builds on the CPU here (use_cpu_initialization)
+            return build(args, config, args.padded_vocab_size).eval()
+    model = build(args, config, args.padded_vocab_size)
     init_weights_layout_free(model, args.seed, args.init_method_std, args.num_layers)
     model.eval()
     return model
@@ -77,3 +84,29 @@ def close() -> None:
     from parm_trainer.parallel import destroy_distributed
 
     destroy_distributed()
+
+
+def latest(load_dir: str) -> str:
+    """The iteration directory a checkpoint's tracker names (ConvertError when none)."""
+    from parm_trainer.convert.output import ConvertError
+    from parm_trainer.training.checkpoint import files
+
+    try:
+        return files.latest_dir(load_dir)
+    except files.CheckpointError as error:
+        raise ConvertError(f"--load-dir {error}") from None
+
+
+def load_one_rank(load_dir: str, **overrides):
+    """(model on one rank with the checkpoint's weights, its tokenizer file)."""
+    from parm_trainer.training import checkpoint  # torch, megatron-core: when needed
+    from parm_trainer.training.checkpoint import files
+
+    path = latest(load_dir)
+    description = files.read_description(path)
+    tokenizer = os.path.join(path, files.TOKENIZER)
+    args = one_rank_args(description["args"], tokenizer_model=tokenizer, **overrides)
+    model = build_one_rank_model(args)
+    checkpoint.load_checkpoint(load_dir, [model], None, None, load_optimizer=False,
+                               load_rng=False)
+    return model, tokenizer

@@ -207,8 +207,7 @@ def _experts_on_rows(layer, x, w, counts: list):
     one multiply the experts do anyway."""
     hidden = x.shape[1]
     expert, row = _nonzero((w >= 0).t(), sum(counts))  # grouped by expert
-    out, _ = layer.experts(_at(x, row), torch.tensor(counts, dtype=torch.int64),
-                           _at(w, row, expert))
+    out = layer.run_experts(_at(x, row), counts, _at(w, row, expert))
     return x.new_zeros(x.shape[0], hidden).index_add(0, row, out)
 
 

@@ -28,6 +28,7 @@ from parm_trainer.moe import comm, shared_expert, step_timing
 from parm_trainer.moe.aux_loss import DeferringRouter
 from parm_trainer.moe.exchange import ExactExchange
 from parm_trainer.moe.forced_routing import ForcedLogits
+from parm_trainer.moe.grouped_experts import applies, grouped_experts
 from parm_trainer.moe.padded_exchange import PaddedExchange
 from parm_trainer.moe.plan import Op
 from parm_trainer.moe.schedules import build_plan
@@ -192,10 +193,18 @@ class ParmMoELayer(MegatronModule):
         sums over ESP (the expert's row-parallel fc2 leaves the reduction to the schedule)."""
         ep, local, (c, hidden) = self.ep_size, self.num_local_experts, x.shape[1:]
         grouped = x.view(ep, local, c, hidden).transpose(0, 1).reshape(-1, hidden)
-        counts = torch.full((local,), ep * c, dtype=torch.int64)
-        out, _ = self.experts(grouped, counts, torch.ones(grouped.shape[0], dtype=x.dtype,
-                                                          device=x.device))
+        out = self.run_experts(grouped, [ep * c] * local,
+                               torch.ones(grouped.shape[0], dtype=x.dtype, device=x.device))
         return out.view(local, ep, c, hidden).transpose(0, 1).reshape(ep * local, c, hidden)
+
+    def run_experts(self, rows, counts: list, probs):
+        """The local experts on rows (T, M) grouped by expert (counts: the rows of each, on the
+        host), each output scaled by its row's probability: on CPU as two grouped GEMMs
+        (grouped_experts.py), elsewhere by the experts module itself."""
+        if rows.shape[0] and applies(self.experts, self.config, rows):
+            return grouped_experts(self.experts, rows, counts, probs)
+        out, _ = self.experts(rows, torch.tensor(counts, dtype=torch.int64), probs)
+        return out
 
     # --- executor ----------------------------------------------------------------------------
     def forward(self, hidden_states, *args, **kwargs):

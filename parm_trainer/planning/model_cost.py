@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from parm_trainer.mla_flags import attention_sizes
 from parm_trainer.moe.cost_model import CHUNK_CHOICES, plan_cost, sent_bytes, shape_plan
 from parm_trainer.moe.cost_profile import Profile
+from parm_trainer.moe.grouped_experts import applies_to_run
 from parm_trainer.moe.link_sharing import link_flows
 
 
@@ -179,8 +180,7 @@ class ModelCost:
         mask per element (attention: the mask and the dropped probabilities); an MLP its fc1
         output and activation output (2 F per row; SwiGLU 5 F: the 2F-wide fc1 output and
         three F-wide products), on n rows (dense) or the expert rows n k ESP / MP of F / ESP
-        (MoE: one F more, the activation before the routing weight scales it, kept for the
-        weight's gradient), whose input rows are kept too; the router its input and the
+        (MoE: see expert_widths), whose input rows are kept too; the router its input and the
         routing; the output layer its input and the fp32 logits."""
         a, e, n, M, T = self.args, self.e, self.n, self.args.hidden_size, self.tp
         b, s, heads = a.micro_batch_size, a.seq_length, a.num_attention_heads
@@ -200,13 +200,18 @@ class ModelCost:
         if getattr(a, "attention_dropout", 0.0) > 0:
             attention += 2 * probs
         widths = 5 if getattr(a, "swiglu", False) else 2
+        # the experts' rows: megatron's MLP keeps one F more (the activation before the routing
+        # weight scales it); its grouped form on CPU keeps fc1's output, the activation and the
+        # scaled activation (moe/grouped_experts.py: SwiGLU 4 F, gelu 3 F)
+        expert_widths = ((4 if widths == 5 else 3) if applies_to_run(a) else widths + 1)
         if kind == "t":
             mlp = n * M * e + widths * n * a.ffn_hidden_size / T * e
         else:
             esp, k = a.expert_tensor_parallel_size, a.moe_router_topk
             rows = n * k * esp / T
             mlp = (n * M * e + n * (a.num_experts * 4 + k * 24 + 20)     # router and routing
-                   + (widths + 1) * rows * a.moe_ffn_hidden_size / esp * e + 2 * rows * M * e)
+                   + expert_widths * rows * a.moe_ffn_hidden_size / esp * e
+                   + 2 * rows * M * e)
             shared = getattr(a, "moe_shared_expert_intermediate_size", None)
             if shared:  # its fc1 input (gathered under SP) and fc1/activation outputs
                 mlp += n * M * e + widths * n * shared / T * e

@@ -16,7 +16,7 @@ import torch
 
 from parm_trainer import error_line
 from parm_trainer.arguments import parse_args
-from parm_trainer.compat import cpu
+from parm_trainer.compat import cpu, cpu_allocator
 from parm_trainer.data.tokenizer import check_tokenizer_flags, tokenizer_from_args
 from parm_trainer.errors import USER_ERRORS, InputError, LayoutError
 from parm_trainer.models.config import padded_vocab_size
@@ -79,6 +79,7 @@ def initialize(argv=None, extra_args_provider=None, check_inputs=None):
     if check_inputs is not None:
         check_inputs(args)
     cpu.apply()
+    cpu_allocator.tune()
     initialize_distributed(args, stages=pipeline_layout.recorded_stages(args))
     _report_modules(args)
     _report_relay()

@@ -23,14 +23,16 @@ from parm_trainer.training.checkpoint.state import (SCHEDULER_COUNTS, describe_e
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
-                    consumed_train_samples: int, args, background=None) -> tuple:
+                    consumed_train_samples: int, args, background=None,
+                    sharded_strategy=None) -> tuple:
     """Write SAVE/iter_N whole or not at all; returns (its path, seconds taken).
 
     optimizer None: the weights alone (the converters' checkpoints), which load as a start
     with a fresh optimizer. background (--async-save, an async_save.BackgroundSaves): the
     previous save is finalised first, this one's shards are written by a forked process while
     training goes on, and background finalises it later as _finish does here; the seconds
-    returned are then those training waited."""
+    returned are then those training waited. sharded_strategy: megatron-core's save strategy
+    (None: its default; the converters stream theirs, convert/stream_checkpoint.py)."""
     if background is not None:
         background.wait(iteration, f"before saving iteration {iteration} (a longer "
                                    f"--save-interval leaves it time)")
@@ -59,7 +61,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler,
     async_save.results_queue_without_spawn()
     failure, request = None, None
     try:
-        request = dist_checkpointing.save(state, tmp, content_metadata=metadata,
+        request = dist_checkpointing.save(state, tmp, sharded_strategy=sharded_strategy,
+                                          content_metadata=metadata,
                                           async_sharded_save=background is not None)
     except (OSError, CheckpointException) as error:
         failure = error

@@ -46,17 +46,17 @@ REQUIRED = {
     "position_embedding_type": ("rope", "--position-embedding-type rope"),
     "disable_bias_linear": (True, "--disable-bias-linear"),
 }
-CLASSES = "MixtralForCausalLM or Qwen2MoeForCausalLM"
+CLASSES = "MixtralForCausalLM, Qwen2MoeForCausalLM or DeepseekV3ForCausalLM"
 
 
 def check_exportable(args: dict) -> None:
     if not args.get("num_experts"):
-        raise NotExportable(f"the model has no MoE layers (--num-experts): {CLASSES} needs "
-                            f"them")
+        raise NotExportable(f"the model has no MoE layers (--num-experts): each of "
+                            f"{CLASSES} needs them")
     for flag, (needed, fix) in REQUIRED.items():
         if args.get(flag) != needed:
             raise NotExportable(
-                f"--{flag.replace('_', '-')} is {args.get(flag)!r}: neither {CLASSES} can "
+                f"--{flag.replace('_', '-')} is {args.get(flag)!r}: none of {CLASSES} can "
                 f"express it; a model trained with {fix} exports")
 
 

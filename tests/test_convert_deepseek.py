@@ -5,9 +5,9 @@ A random DeepseekV3ForCausalLM made by transformers, saved in shards with
 model.safetensors.index.json, imports with transformers' logits (one rank; and under TP2 x PP2 x
 EP2 with ESP 1, where its greedy continuation is transformers' too, as on one rank through
 tools/generate.py) and exports back in shards (--max-shard-size), bit for bit; a checkpoint with
-rope_interleave false imports to the same function; what the project's model cannot compute
-alike is refused in one line. A model trained with multi-latent attention under TP2 x EP2 x
-SP exports to a DeepseekV3ForCausalLM transformers loads with no missing or unexpected keys,
+rope_interleave false imports to the same function (and exports with rope_interleave true to it
+again, without shared experts too); what the project's model cannot compute alike is refused
+in one line. A model trained with multi-latent attention under TP2 x EP2 x SP exports to a DeepseekV3ForCausalLM transformers loads with no missing or unexpected keys,
 whose logits the checkpoint gives when loaded under TP2 x PP2 x EP2 (another layout).
 """
 
@@ -120,17 +120,28 @@ def test_import_has_transformers_logits_and_exports_bit_for_bit(deepseek, gpt_da
 
 
 def test_rope_interleave_false_imports_the_same_function(gpt_data, tmp_path):
+    """Also without shared experts (n_shared_experts 0: tensors of width 0 both ways), exported
+    back with rope_interleave true to the same function."""
     model = _deepseek(tmp_path / "original", gpt_data["tokenizer"], rope_interleave=False,
                       q_lora_rank=None, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                      n_shared_experts=0,
                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     printed = _import(tmp_path / "original", tmp_path / "imported")
     assert "--q-lora-rank" not in printed and "--rope-type rope" in printed
     assert "--moe-router-num-groups" not in printed
+    assert "--moe-shared-expert-intermediate-size" not in printed
     sequences = _sequences(gpt_data, count=2)
     ours = _project_logits(tmp_path / "imported", sequences, tmp_path / "logits.pt")
+    back = convert("--loader", "parm", "--saver", "hf", "--load-dir", tmp_path / "imported",
+                   "--save-dir", tmp_path / "back", "--max-shard-size", SHARD)
+    assert back.returncode == 0, back.stderr[-3000:]
+    exported = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32)
+    assert exported.config.rope_interleave and exported.config.n_shared_experts == 0
     with torch.no_grad():
         theirs = model(torch.tensor(sequences)).logits
+        again = exported(torch.tensor(sequences)).logits
     assert (ours[..., :2000] - theirs).abs().max() <= 1e-4
+    assert (again - theirs).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("changes, needle", [

@@ -21,13 +21,15 @@ are not renames:
   Hugging Face vocabulary.
 A Target may also have tensors the project's model does not (Qwen2-MoE's QKV biases and shared
 expert): they are written as zeros of the right shape, so the function is the same, and an
-import refuses them unless they are zero.
+import refuses them unless they are zero. A Target with an attention of its own (DeepSeek-V3's
+multi-latent attention) gives that attention's Rules in place of the fused QKV rule, and one
+with more tensors in a layer (an expert bias, shared experts) gives them as extra Rules.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 from parm_trainer.layer_pattern import moe_layer_pattern
 
@@ -44,17 +46,17 @@ REQUIRED = {
     "position_embedding_type": ("rope", "--position-embedding-type rope"),
     "disable_bias_linear": (True, "--disable-bias-linear"),
 }
-CLASSES = "MixtralForCausalLM or Qwen2MoeForCausalLM"
+CLASSES = "MixtralForCausalLM, Qwen2MoeForCausalLM or DeepseekV3ForCausalLM"
 
 
 def check_exportable(args: dict) -> None:
     if not args.get("num_experts"):
-        raise NotExportable(f"the model has no MoE layers (--num-experts): {CLASSES} needs "
-                            f"them")
+        raise NotExportable(f"the model has no MoE layers (--num-experts): each of "
+                            f"{CLASSES} needs them")
     for flag, (needed, fix) in REQUIRED.items():
         if args.get(flag) != needed:
             raise NotExportable(
-                f"--{flag.replace('_', '-')} is {args.get(flag)!r}: neither {CLASSES} can "
+                f"--{flag.replace('_', '-')} is {args.get(flag)!r}: none of {CLASSES} can "
                 f"express it; a model trained with {fix} exports")
 
 
@@ -120,6 +122,9 @@ class Shape:
     dense_ffn: int  # a dense layer's
     tied: bool
     moe: tuple  # per layer: is it an MoE layer
+    shared_ffn: int = 0  # the shared experts' (0: none)
+    expert_bias: bool = False  # the router's aux-loss-free bias
+    q_lora_rank: Optional[int] = None  # multi-latent attention's query latent (None: none)
 
     @property
     def layers(self) -> int:
@@ -131,7 +136,9 @@ def shape_of_args(args: dict) -> Shape:
     return Shape(args["hidden_size"], *heads(args), args["num_experts"],
                  args["moe_ffn_hidden_size"], args.get("ffn_hidden_size") or 0,
                  not args["untie_embeddings_and_output_weights"],
-                 tuple(bool(moe) for moe in pattern))
+                 tuple(bool(moe) for moe in pattern),
+                 args.get("moe_shared_expert_intermediate_size") or 0,
+                 bool(args.get("moe_router_enable_expert_bias")), args.get("q_lora_rank"))
 
 
 @dataclass(frozen=True)
@@ -144,6 +151,9 @@ class Target:
     zeros: Callable  # (shape, layer index) -> {name: tensor shape}: what the model lacks
     # (shape, layer index) -> more Rules of that layer: tensors only some classes have
     extra: Callable = lambda shape, i: ()
+    # (shape, layer index) -> the Rules of that layer's attention in place of megatron's fused
+    # QKV <-> q_proj, k_proj, v_proj (None: that one)
+    attention: Optional[Callable] = None
 
 
 @dataclass(frozen=True)
@@ -226,7 +236,7 @@ def rules(shape: Shape, target: Target, vocab_size=None, padded_vocab_size=None)
     for i in range(shape.layers):
         ours, theirs = f"decoder.layers.{i}.", _layer(i)
         out += [same(ours + "input_layernorm.weight", theirs + "input_layernorm.weight"),
-                _qkv(shape, i),
+                *(target.attention(shape, i) if target.attention else [_qkv(shape, i)]),
                 same(ours + "self_attention.linear_proj.weight", theirs + "self_attn.o_proj.weight"),
                 same(ours + "pre_mlp_layernorm.weight", theirs + "post_attention_layernorm.weight")]
         if shape.moe[i]:

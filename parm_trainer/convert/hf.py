@@ -5,7 +5,8 @@
 
 The class is MixtralForCausalLM where Mixtral expresses the model (every layer MoE, megatron's
 default router), else Qwen2MoeForCausalLM (--moe-router-pre-softmax, dense layers between the
-MoE layers); see mixtral.py and qwen2_moe.py. BERT checkpoints go through hf_bert.py.
+MoE layers), DeepseekV3ForCausalLM with multi-latent attention; see mixtral.py, qwen2_moe.py,
+deepseek_v3.py. BERT checkpoints go through hf_bert.py.
 
 Neither holds the model: the project's model is built on the meta device (every tensor's name,
 shape and place in a checkpoint, no data). An import makes each checkpoint tensor from the
@@ -23,7 +24,7 @@ import json
 import os
 
 from parm_trainer.convert.bert import FORMAT as BERT_FORMAT
-from parm_trainer.convert import mixtral, qwen2_moe
+from parm_trainer.convert import deepseek_v3, mixtral, qwen2_moe
 from parm_trainer.convert.decoder import (check_exportable, check_zeros, hf_names, legacy_keys,
                                           rules, shape_of_args, to_hf)
 from parm_trainer.convert.output import ConvertError, refuse_existing, written_whole
@@ -32,12 +33,15 @@ from parm_trainer.convert import tokenizer_files
 from parm_trainer.training.checkpoint import files
 
 __all__ = ["ConvertError", "DEFAULT_MAX_SHARD_SIZE", "export_to_hf", "import_from_hf"]
-TARGETS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe}  # config.json's model_type -> module
+# config.json's model_type -> module
+TARGETS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe, "deepseek_v3": deepseek_v3}
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
 
 
 def target_of(args: dict):
-    """The module (mixtral or qwen2_moe) of the class that expresses run.json's model."""
+    """The module (a TARGETS value) of the class that expresses run.json's model."""
+    if args.get("multi_latent_attention"):
+        return deepseek_v3
     return mixtral if mixtral.expresses(args) else qwen2_moe
 
 
@@ -135,7 +139,7 @@ def _add_to_json(path: str, entries: dict) -> None:
 def import_from_hf(load_dir: str, save_dir: str, tokenizer_model: str | None = None,
                    tokenizer_type: str | None = None) -> tuple:
     """Write a weights-only checkpoint (iteration 0) of a Mixtral, Qwen2-MoE (in the form
-    qwen2_moe.py writes) or convert/bert.py directory;
+    qwen2_moe.py writes), DeepSeek-V3 or convert/bert.py directory;
     returns (the entry script, the flags that build its model and load the checkpoint)."""
     refuse_existing(save_dir)
     config_file = os.path.join(load_dir, "config.json")
@@ -149,8 +153,8 @@ def import_from_hf(load_dir: str, save_dir: str, tokenizer_model: str | None = N
         return import_bert_dir(load_dir, save_dir, config, tokenizer_model)
     if config.get("model_type") not in TARGETS:
         raise ConvertError(f"config.json has model_type {config.get('model_type')!r}; only "
-                           f"{', '.join(map(repr, TARGETS))} ({mixtral.TARGET.class_name}, "
-                           f"{qwen2_moe.TARGET.class_name}) import")
+                           + ", ".join(f"{name!r} ({module.TARGET.class_name})"
+                                       for name, module in TARGETS.items()) + " import")
     target = TARGETS[config["model_type"]]
     values = target.model_flags(config)
     tokenizer = tokenizer_files.choose(load_dir, tokenizer_model, tokenizer_type)
@@ -173,7 +177,7 @@ def import_from_hf(load_dir: str, save_dir: str, tokenizer_model: str | None = N
         try:
             model = build_one_rank_model(args, meta=True)
             make = _source(model, weights, shape_of_args(values), target.TARGET, hf_vocab,
-                           padded, load_dir)
+                           padded, load_dir, _reader(target, weights, config))
             checkpoint.save_checkpoint(out, 0, [model], None, None, 0, args,
                                        sharded_strategy=LazySave(model, make))
         finally:
@@ -185,8 +189,18 @@ def import_from_hf(load_dir: str, save_dir: str, tokenizer_model: str | None = N
         f"--tokenizer-model {copy}", f"--load {save_dir}"]
 
 
-def _source(model, weights, shape, target, hf_vocab: int, padded: int, load_dir: str):
-    """name -> the model's tensor made from the directory's, once the directory is checked:
+def _reader(family, weights, config: dict):
+    """name -> the directory's tensor as the family's rules take it (a family's hf_tensor(name,
+    tensor, config) where it has one, e.g. DeepSeek-V3's rotary rows reordered)."""
+    hook = getattr(family, "hf_tensor", None)
+    if hook is None:
+        return weights.read
+    return lambda name: hook(name, weights.read(name), config)
+
+
+def _source(model, weights, shape, target, hf_vocab: int, padded: int, load_dir: str, read):
+    """name -> the model's tensor made from the directory's (read: name -> its tensor), once
+    the directory is checked:
     every tensor the model needs present and of the right shape, none unused, the ones the
     model lacks zero. Only those zeros are read here."""
     from parm_trainer.convert.stream_checkpoint import tensors_of
@@ -210,5 +224,5 @@ def _source(model, weights, shape, target, hf_vocab: int, padded: int, load_dir:
 
     def make(name: str):
         rule = by_ours[name]
-        return rule.merge([weights.read(theirs) for theirs in rule.theirs])
+        return rule.merge([read(theirs) for theirs in rule.theirs])
     return make

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from parm_trainer.mla_flags import attention_sizes
 from parm_trainer.moe.cost_model import CHUNK_CHOICES, plan_cost, sent_bytes, shape_plan
 from parm_trainer.moe.cost_profile import Profile
 from parm_trainer.moe.grouped_experts import applies_to_run
@@ -123,15 +124,14 @@ class ModelCost:
     def attention(self) -> tuple:
         a, n, M, T = self.args, self.n, self.args.hidden_size, self.tp
         heads = a.num_attention_heads
-        groups = a.num_query_groups if getattr(a, "group_query_attention", False) else heads
-        qkv = 2 * n * M * (M + 2 * M * groups / heads) / T
-        core = 4 * a.micro_batch_size * a.seq_length ** 2 * M / T
-        flops = qkv + core + 2 * n * M * M / T
+        sizes = attention_sizes(a)  # multi-latent attention: its projections and head sizes
+        core = 2 * a.micro_batch_size * a.seq_length ** 2 * (sizes["score"] + sizes["value"]) / T
+        flops = 2 * n * sizes["split"] / T + core
         softmax = 3 * a.micro_batch_size * heads / T * a.seq_length ** 2 * self.e
         norm = 2 * n * M * self.e / (T if self.sp else 1)
         # QKV, scores, values, projection
         f, b = self._mp_block(self.gemm(flops, calls=4), self.traffic(softmax + norm))
-        params = (M * (M + 2 * M * groups / heads) + M * M) / T + M
+        params = sizes["split"] / T + sizes["whole"] + M
         return f, b, params
 
     def mlp(self) -> tuple:

@@ -25,7 +25,11 @@ RANGES = {
     "kv_channels": AT_LEAST_1, "seq_length": AT_LEAST_1, "max_position_embeddings": AT_LEAST_1,
     "rotary_base": POSITIVE, "norm_epsilon": POSITIVE, "hidden_dropout": PROBABILITY,
     "attention_dropout": PROBABILITY, "make_vocab_size_divisible_by": AT_LEAST_1,
-    "init_method_std": POSITIVE,
+    "init_method_std": POSITIVE, "recompute_num_layers": AT_LEAST_1,
+    # multi-latent attention (YaRN's mscales: 0 turns one off)
+    "q_lora_rank": AT_LEAST_1, "kv_lora_rank": AT_LEAST_1, "qk_head_dim": AT_LEAST_1,
+    "qk_pos_emb_head_dim": AT_LEAST_1, "v_head_dim": AT_LEAST_1,
+    "rotary_scaling_factor": POSITIVE, "mscale": AT_LEAST_0, "mscale_all_dim": AT_LEAST_0,
     # MoE
     "num_experts": AT_LEAST_1, "moe_ffn_hidden_size": AT_LEAST_1, "moe_router_topk": AT_LEAST_1,
     "moe_expert_capacity_factor": POSITIVE, "moe_aux_loss_coeff": AT_LEAST_0,

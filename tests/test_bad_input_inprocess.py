@@ -124,6 +124,16 @@ PRETRAIN_CASES = [
     # today's MoE blocks (parm_trainer/moe_flags.py), as megatron-core's TransformerConfig
     ("shared_expert_zero", 1, ["--moe-shared-expert-intermediate-size", "0"], 1,
      ["--moe-shared-expert-intermediate-size must be at least 1, got 0"]),
+    # multi-latent attention (parm_trainer/mla_flags.py)
+    ("mla_with_gqa", 1, ["--multi-latent-attention", "--group-query-attention"], 1,
+     ["--multi-latent-attention and --group-query-attention exclude each other"]),
+    ("mla_odd_rope_dim", 1, ["--multi-latent-attention", "--qk-pos-emb-head-dim", "7"], 1,
+     ["--qk-pos-emb-head-dim 7 must be even"]),
+    ("mla_latent_vs_tp", 2, ["--multi-latent-attention", "--q-lora-rank", "15",
+                             "--tensor-model-parallel-size", "2"], 1,
+     ["--q-lora-rank (15) must be divisible by --tensor-model-parallel-size 2"]),
+    ("yarn_without_mla", 1, ["--rope-type", "yarn"], 1,
+     ["--rope-type yarn needs --multi-latent-attention"]),
     ("expert_bias_with_softmax", 1, ["--moe-router-enable-expert-bias"], 1,
      ["--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"]),
     ("bias_update_rate_negative", 1, ["--moe-router-bias-update-rate", "-0.1"], 1,

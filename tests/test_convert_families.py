@@ -368,6 +368,8 @@ def test_convert_refuses_an_output_bias(gpt_data, tmp_path):
     (["--qk-layernorm-across-heads"], "--qk-layernorm-across-heads needs --qk-layernorm"),
     (["--qk-layernorm", "--qk-layernorm-across-heads"],
      "--qk-layernorm-across-heads needs --normalization RMSNorm"),
+    (["--qk-layernorm", "--qk-layernorm-across-heads", "--normalization", "RMSNorm",
+      "--multi-latent-attention"], "--qk-layernorm-across-heads with --multi-latent-attention"),
 ])
 def test_pretrain_refuses_norms_across_heads_without_their_kind(entry, gpt_data, capsys,
                                                                 flags, needle):

@@ -8,7 +8,7 @@ import re
 
 import torch
 
-from parm_trainer import flag_ranges, moe_flags
+from parm_trainer import flag_ranges, mla_flags, moe_flags
 from parm_trainer.arguments.megatron_only import problem as refused_flag
 from parm_trainer.arguments.recompute import problem as recompute_problem
 from parm_trainer.errors import ArgumentsError
@@ -43,11 +43,17 @@ def check(args) -> None:
     if args.qk_layernorm_across_heads and args.normalization != "RMSNorm":
         raise ArgumentsError("--qk-layernorm-across-heads needs --normalization RMSNorm (its "
                              "norm is an RMSNorm over all heads)")
+    if args.qk_layernorm_across_heads and args.multi_latent_attention:
+        raise ArgumentsError("--qk-layernorm-across-heads with --multi-latent-attention: "
+                             "multi-latent attention normalises its query and key/value "
+                             "latents, not the heads")
     _check_backend(args)
     if (moe_problem := moe_flags.problem(args)) is not None:
         raise ArgumentsError(moe_problem)
     if (recompute := recompute_problem(args)) is not None:
         raise ArgumentsError(recompute)
+    if (mla_problem := mla_flags.problem(args)) is not None:
+        raise ArgumentsError(mla_problem)
     if not _split_is_valid(args.split):
         raise ArgumentsError(f"--split {args.split!r} must be up to three non-negative "
                              f"train,valid,test proportions with a positive sum, e.g. 969,30,1")

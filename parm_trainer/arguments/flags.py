@@ -8,7 +8,7 @@ import argparse
 import sys
 from typing import Callable, Optional
 
-from parm_trainer import error_line, moe_flags
+from parm_trainer import error_line, mla_flags, moe_flags
 from parm_trainer.arguments.megatron_only import add_flags as add_megatron_only_flags
 from parm_trainer.arguments.recompute import add_flags as add_recompute_flags
 from parm_trainer.layer_pattern import moe_layer_freq
@@ -49,9 +49,11 @@ def _model_group(parser):
                    help="A bias on the QKV projection only, also under --disable-bias-linear "
                         "(Qwen2's attention).")
     g.add_argument("--qk-layernorm", action="store_true",
-                   help="Normalise each query and key head (its channels) with --normalization "
-                        "before RoPE, a weight per channel shared by the heads (Qwen3's "
-                        "q_norm/k_norm).")
+                   help="Normalise the queries and keys with --normalization (megatron-core's "
+                        "qk_layernorm): each query and key head (its channels) before RoPE, a "
+                        "weight per channel shared by the heads (Qwen3's q_norm/k_norm); with "
+                        "--multi-latent-attention the query and key/value latents "
+                        "(DeepSeek's q_a_layernorm/kv_a_layernorm).")
     g.add_argument("--qk-layernorm-across-heads", action="store_true",
                    help="With --qk-layernorm and RMSNorm: normalise the whole query projection "
                         "and the whole key projection instead, over all their heads, a weight "
@@ -77,6 +79,7 @@ def _model_group(parser):
                         "named (a start-up line says so for flash and fused).")
     g.add_argument("--init-method-std", type=float, default=0.02,
                    help="Std of the normal weight init (output projections scaled by 1/sqrt(2L)).")
+    mla_flags.add_flags(parser)
 
 
 def _moe_group(parser):

@@ -21,18 +21,20 @@ are not renames:
   down one;
 - the embedding (and an untied output layer): the project pads its rows with zeros past the
   Hugging Face vocabulary.
-The query/key norms (--qk-layernorm: the Target's qk_norm names) are renames. A Target gives
-the Rules of tensors only its class has as extra (Qwen2-MoE's shared expert and its sigmoid
-gate). A Target may also have tensors the project's model does not (a Qwen2-MoE without a
-shared expert: one of width 0; the output projection's bias where a class has QKV biases only
-with it): they are written as zeros of the right shape, so the function is the same, and an
-import refuses them unless they are zero.
+The query/key norms (--qk-layernorm: the Target's qk_norm names) are renames. A Target with an
+attention of its own (DeepSeek-V3's multi-latent attention) gives that attention's Rules in
+place of the fused QKV, its bias and the query/key norms; one with more tensors in a layer
+(Qwen2-MoE's shared expert and its sigmoid gate, DeepSeek-V3's expert bias and shared experts)
+gives them as extra Rules. A Target may also have tensors the project's model does not (a
+Qwen2-MoE or DeepSeek-V3 without a shared expert: one of width 0; the output projection's bias
+where a class has QKV biases only with it): they are written as zeros of the right shape, so
+the function is the same, and an import refuses them unless they are zero.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 from parm_trainer.layer_pattern import moe_layer_pattern
 
@@ -49,27 +51,37 @@ REQUIRED = {
     "position_embedding_type": ("rope", "--position-embedding-type rope"),
     "disable_bias_linear": (True, "--disable-bias-linear"),
 }
-# megatron's router options no class here expresses: (flag, its default)
-ROUTER_DEFAULTS = (("moe_router_score_function", "softmax"),
-                   ("moe_router_enable_expert_bias", False),
-                   ("moe_router_topk_scaling_factor", None), ("moe_router_num_groups", None))
-CLASSES = ("MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM or "
-           "OlmoeForCausalLM")
+CLASSES = ("MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM or "
+           "DeepseekV3ForCausalLM")
 
 
 def check_exportable(args: dict) -> None:
     if not args.get("num_experts"):
-        raise NotExportable(f"the model has no MoE layers (--num-experts): {CLASSES} needs "
-                            f"them")
+        raise NotExportable(f"the model has no MoE layers (--num-experts): each of "
+                            f"{CLASSES} needs them")
     for flag, (needed, fix) in REQUIRED.items():
         if args.get(flag) != needed:
             raise NotExportable(
-                f"--{flag.replace('_', '-')} is {args.get(flag)!r}: no class ({CLASSES}) can "
+                f"--{flag.replace('_', '-')} is {args.get(flag)!r}: none of {CLASSES} can "
                 f"express it; a model trained with {fix} exports")
+
+
+# megatron's router options a softmax router (Mixtral's, Qwen2/3-MoE's, OLMoE's) has not:
+# (flag, its default)
+ROUTER_DEFAULTS = (("moe_router_score_function", "softmax"),
+                   ("moe_router_enable_expert_bias", False),
+                   ("moe_router_topk_scaling_factor", None), ("moe_router_num_groups", None))
+
+
+def softmax_router_problem(args: dict, class_name: str):
+    """Why a class with a softmax router cannot express run.json's router (None where it
+    can): sigmoid scores, the expert bias, a scaling factor or groups are DeepSeek-V3's."""
     for flag, default in ROUTER_DEFAULTS:
         if args.get(flag, default) != default:
-            raise NotExportable(f"--{flag.replace('_', '-')} {args[flag]!r}: the routers of "
-                                f"{CLASSES} have the softmax score, no bias, scale or groups")
+            return (f"--{flag.replace('_', '-')} {args[flag]!r}: {class_name}'s router has the "
+                    f"softmax score, no bias, scale or groups (DeepseekV3ForCausalLM's has "
+                    f"them, with --multi-latent-attention)")
+    return None
 
 
 def heads(args: dict) -> tuple:
@@ -163,6 +175,8 @@ class Shape:
     qk_norm: bool = False  # per head (--qk-layernorm) or over all heads: the same names
     shared_ffn: int = 0  # the shared expert's width (0: none)
     shared_gate: bool = False
+    expert_bias: bool = False  # the router's aux-loss-free bias
+    q_lora_rank: Optional[int] = None  # multi-latent attention's query latent (None: none)
 
     @property
     def layers(self) -> int:
@@ -177,7 +191,9 @@ def shape_of_args(args: dict) -> Shape:
                  tuple(bool(moe) for moe in pattern),
                  qkv_bias=bool(args.get("add_qkv_bias")), qk_norm=bool(args.get("qk_layernorm")),
                  shared_ffn=args.get("moe_shared_expert_intermediate_size") or 0,
-                 shared_gate=bool(args.get("moe_shared_expert_gate")))
+                 shared_gate=bool(args.get("moe_shared_expert_gate")),
+                 expert_bias=bool(args.get("moe_router_enable_expert_bias")),
+                 q_lora_rank=args.get("q_lora_rank"))
 
 
 @dataclass(frozen=True)
@@ -191,6 +207,9 @@ class Target:
     # (shape, layer index) -> more Rules of that layer: tensors only some classes have
     extra: Callable = lambda shape, i: ()
     qk_norm: tuple = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # under the layer
+    # (shape, layer index) -> the Rules of that layer's attention in place of megatron's fused
+    # QKV <-> q_proj, k_proj, v_proj, its bias and the query/key norms (None: those)
+    attention: Optional[Callable] = None
 
 
 @dataclass(frozen=True)
@@ -288,7 +307,8 @@ def rules(shape: Shape, target: Target, vocab_size=None, padded_vocab_size=None)
     for i in range(shape.layers):
         ours, theirs = f"decoder.layers.{i}.", _layer(i)
         out += [same(ours + "input_layernorm.weight", theirs + "input_layernorm.weight"),
-                *_attention(shape, target, i),
+                *(target.attention(shape, i) if target.attention
+                  else _attention(shape, target, i)),
                 same(ours + "self_attention.linear_proj.weight", theirs + "self_attn.o_proj.weight"),
                 same(ours + "pre_mlp_layernorm.weight", theirs + "post_attention_layernorm.weight")]
         if shape.moe[i]:

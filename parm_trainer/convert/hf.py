@@ -6,8 +6,9 @@
 The class is chosen from the model's flags (families.py): MixtralForCausalLM where Mixtral
 expresses the model (every layer MoE, megatron's default router), else Qwen2MoeForCausalLM
 (--moe-router-pre-softmax, dense layers between the MoE layers, QKV biases, a shared expert),
-Qwen3MoeForCausalLM (--qk-layernorm) or OlmoeForCausalLM (--qk-layernorm-across-heads); import
-goes by config.json's model_type. BERT checkpoints go through hf_bert.py.
+Qwen3MoeForCausalLM (--qk-layernorm), OlmoeForCausalLM (--qk-layernorm-across-heads) or
+DeepseekV3ForCausalLM (--multi-latent-attention); import goes by config.json's model_type.
+BERT checkpoints go through hf_bert.py.
 
 Neither holds the model: the project's model is built on the meta device (every tensor's name,
 shape and place in a checkpoint, no data). An import makes each checkpoint tensor from the
@@ -131,7 +132,7 @@ def _add_to_json(path: str, entries: dict) -> None:
 def import_from_hf(load_dir: str, save_dir: str, tokenizer_model: str | None = None,
                    tokenizer_type: str | None = None) -> tuple:
     """Write a weights-only checkpoint (iteration 0) of a Mixtral, Qwen2-MoE (in the form
-    qwen2_moe.py writes), Qwen3-MoE, OLMoE or convert/bert.py directory;
+    qwen2_moe.py writes), Qwen3-MoE, OLMoE, DeepSeek-V3 or convert/bert.py directory;
     returns (the entry script, the flags that build its model and load the checkpoint)."""
     refuse_existing(save_dir)
     config_file = os.path.join(load_dir, "config.json")
@@ -169,7 +170,7 @@ def import_from_hf(load_dir: str, save_dir: str, tokenizer_model: str | None = N
         try:
             model = build_one_rank_model(args, meta=True)
             make = _source(model, weights, shape_of_args(values), target.TARGET, hf_vocab,
-                           padded, load_dir)
+                           padded, load_dir, _reader(target, weights, config))
             checkpoint.save_checkpoint(out, 0, [model], None, None, 0, args,
                                        sharded_strategy=LazySave(model, make))
         finally:
@@ -181,8 +182,18 @@ def import_from_hf(load_dir: str, save_dir: str, tokenizer_model: str | None = N
         f"--tokenizer-model {copy}", f"--load {save_dir}"]
 
 
-def _source(model, weights, shape, target, hf_vocab: int, padded: int, load_dir: str):
-    """name -> the model's tensor made from the directory's, once the directory is checked:
+def _reader(family, weights, config: dict):
+    """name -> the directory's tensor as the family's rules take it (a family's hf_tensor(name,
+    tensor, config) where it has one, e.g. DeepSeek-V3's rotary rows reordered)."""
+    hook = getattr(family, "hf_tensor", None)
+    if hook is None:
+        return weights.read
+    return lambda name: hook(name, weights.read(name), config)
+
+
+def _source(model, weights, shape, target, hf_vocab: int, padded: int, load_dir: str, read):
+    """name -> the model's tensor made from the directory's (read: name -> its tensor), once
+    the directory is checked:
     every tensor the model needs present and of the right shape, none unused, the ones the
     model lacks zero. Only those zeros are read here."""
     from parm_trainer.convert.stream_checkpoint import tensors_of
@@ -206,5 +217,5 @@ def _source(model, weights, shape, target, hf_vocab: int, padded: int, load_dir:
 
     def make(name: str):
         rule = by_ours[name]
-        return rule.merge([weights.read(theirs) for theirs in rule.theirs])
+        return rule.merge([read(theirs) for theirs in rule.theirs])
     return make

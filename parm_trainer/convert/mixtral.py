@@ -2,14 +2,15 @@
 
 Mixtral expresses a model exactly when, beyond decoder.REQUIRED, every layer is MoE and the
 router is megatron's default (the softmax of the top-k logits; Mixtral takes the softmax over
-all experts renormalised over the top k, the same function), with no QKV bias, query/key norm
-or shared expert. Its per-expert names are
+all experts renormalised over the top k, the same function; no sigmoid scores, expert bias,
+scaling or groups), with no QKV bias, query/key norm or shared expert. Its per-expert names are
 `block_sparse_moe.experts.N.w1/w3/w2` (gate, up, down).
 """
 
 from __future__ import annotations
 
-from parm_trainer.convert.decoder import NotExportable, Target, common_flags, heads, rope
+from parm_trainer.convert.decoder import (NotExportable, Target, common_flags, heads, rope,
+                                          softmax_router_problem)
 
 TARGET = Target(class_name="MixtralForCausalLM", router="block_sparse_moe.gate.weight",
                 expert=lambda e: tuple(f"block_sparse_moe.experts.{e}.{w}.weight"
@@ -28,7 +29,8 @@ NONE_OF = ("add_qkv_bias", "qk_layernorm", "moe_shared_expert_intermediate_size"
 
 def expresses(args: dict) -> bool:
     return (all(args.get(flag) == needed for flag, (needed, _) in ONLY_MIXTRAL.items())
-            and not any(args.get(flag) for flag in NONE_OF))
+            and not any(args.get(flag) for flag in NONE_OF)
+            and softmax_router_problem(args, TARGET.class_name) is None)
 
 
 def hf_config(args: dict, vocab_size: int, bos: int, eos: int) -> dict:

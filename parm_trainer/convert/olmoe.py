@@ -13,7 +13,7 @@ has no counterpart and is refused.
 from __future__ import annotations
 
 from parm_trainer.convert.decoder import (NotExportable, Target, common_flags, experts_of,
-                                          heads, rope, router_flags)
+                                          heads, rope, router_flags, softmax_router_problem)
 from parm_trainer.convert.qwen2_moe import expert
 from parm_trainer.convert.qwen3_moe import _zeros
 from parm_trainer.layer_pattern import moe_layer_pattern
@@ -25,6 +25,9 @@ TARGET = Target(class_name="OlmoeForCausalLM", router="mlp.gate.weight", expert=
 
 def problem(args: dict):
     """Why OLMoE cannot express run.json's model (None where it can)."""
+    router = softmax_router_problem(args, TARGET.class_name)
+    if router is not None:
+        return router
     count, _, channels = heads(args)
     if args.get("moe_shared_expert_intermediate_size"):
         return "--moe-shared-expert-intermediate-size: OlmoeForCausalLM has no shared expert"

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from parm_trainer.layer_pattern import moe_layer_pattern
 from parm_trainer.convert.decoder import (Target, common_flags, experts_of, glu, heads,
-                                          no_sliding_window, rope, router_flags, same)
+                                          no_sliding_window, rope, router_flags, same,
+                                          softmax_router_problem)
 
 CONFIG_CLASS = "Qwen2MoeConfig"
 SHARED = tuple(f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")) + (
@@ -52,6 +53,9 @@ TARGET = Target(class_name="Qwen2MoeForCausalLM", router="mlp.gate.weight", expe
 
 def problem(args: dict):
     """Why Qwen2-MoE cannot express run.json's model (None where it can)."""
+    router = softmax_router_problem(args, TARGET.class_name)
+    if router is not None:
+        return router
     if args.get("moe_shared_expert_intermediate_size") and not args.get("moe_shared_expert_gate"):
         return ("--moe-shared-expert-intermediate-size without --moe-shared-expert-gate: "
                 "Qwen2MoeForCausalLM's shared expert always has its sigmoid gate")

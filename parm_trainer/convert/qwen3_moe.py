@@ -9,7 +9,7 @@ attention_bias true and that bias zero, and imports only so.
 
 from __future__ import annotations
 
-from parm_trainer.convert.decoder import NotExportable, Target
+from parm_trainer.convert.decoder import NotExportable, Target, softmax_router_problem
 from parm_trainer.convert.qwen2_moe import DENSE, expert, layer_config, layer_flags
 
 CONFIG_CLASS = "Qwen3MoeConfig"
@@ -25,6 +25,9 @@ TARGET = Target(class_name="Qwen3MoeForCausalLM", router="mlp.gate.weight", expe
 
 def problem(args: dict):
     """Why Qwen3-MoE cannot express run.json's model (None where it can)."""
+    router = softmax_router_problem(args, TARGET.class_name)
+    if router is not None:
+        return router
     if args.get("moe_shared_expert_intermediate_size"):
         return "--moe-shared-expert-intermediate-size: Qwen3MoeForCausalLM has no shared expert"
     return None

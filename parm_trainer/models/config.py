@@ -7,13 +7,15 @@ import math
 
 import torch
 import torch.nn.functional as F
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from parm_trainer import moe_flags
+from parm_trainer import mla_flags, moe_flags
 from parm_trainer.layer_pattern import moe_layer_pattern
 
 
 def transformer_config(args: argparse.Namespace) -> TransformerConfig:
+    """megatron-core's config of the flags: an MLATransformerConfig with
+    --multi-latent-attention (as Megatron-LM's core_transformer_config_from_args)."""
     on_gpu = torch.cuda.is_available()
     moe = {}
     if args.num_experts:
@@ -33,7 +35,8 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
             moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False),
             **moe_flags.config_fields(args),
         )
-    return TransformerConfig(
+    mla = mla_flags.config_fields(args)
+    return (MLATransformerConfig if mla else TransformerConfig)(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -77,6 +80,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        **mla,
         **moe,
     )
 

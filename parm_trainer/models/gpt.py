@@ -16,6 +16,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from parm_trainer.models.mla import use_local_latent_attention
 from parm_trainer.models.qk_norm import AcrossHeadsRMSNorm
 from parm_trainer.moe.layer import ParmMoELayer
 
@@ -39,6 +40,18 @@ def moe_module_spec(args: argparse.Namespace) -> ModuleSpec:
 
 def gpt_layer_spec(config: TransformerConfig, args: argparse.Namespace,
                    vp_stage: Optional[int] = None):
+    """The layer spec (or block spec, with MoE) of the model; see _megatron_spec. Multi-latent
+    attention on the local spec gets models/mla.py's core attention; --qk-layernorm-across-heads
+    its norms over all heads."""
+    spec = _megatron_spec(config, args, vp_stage)
+    for layer in getattr(spec, "layer_specs", None) or [spec]:
+        use_local_latent_attention(layer)
+        norms_across_heads(layer, args)
+    return spec
+
+
+def _megatron_spec(config: TransformerConfig, args: argparse.Namespace,
+                   vp_stage: Optional[int] = None):
     """megatron's local spec, or Transformer Engine's with --transformer-impl
     transformer_engine; MoE layers where --moe-layer-freq puts them (experts grouped with
     --moe-grouped-gemm, from config.moe_grouped_gemm), run through Parm's schedule unless
@@ -49,14 +62,14 @@ def gpt_layer_spec(config: TransformerConfig, args: argparse.Namespace,
             from megatron.core.models.gpt.gpt_layer_specs import (
                 get_gpt_layer_with_transformer_engine_spec)
 
-            return norms_across_heads(get_gpt_layer_with_transformer_engine_spec(
-                qk_layernorm=config.qk_layernorm), args)
-        return norms_across_heads(get_gpt_layer_local_spec(
-            normalization=args.normalization, qk_layernorm=config.qk_layernorm), args)
+            return get_gpt_layer_with_transformer_engine_spec(
+                qk_layernorm=config.qk_layernorm,
+                multi_latent_attention=config.multi_latent_attention)
+        return get_gpt_layer_local_spec(normalization=args.normalization,
+                                        qk_layernorm=config.qk_layernorm,
+                                        multi_latent_attention=config.multi_latent_attention)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=uses_te(args),
                                        normalization=args.normalization, vp_stage=vp_stage)
-    for layer in block.layer_specs:
-        norms_across_heads(layer, args)
     if args.moe_parm_schedule != "megatron":
         for layer in block.layer_specs:
             use_parm_moe_layer(layer, args.moe_parm_schedule, args.moe_parm_chunks,
@@ -136,7 +149,10 @@ def describe_modules(args: argparse.Namespace, config: TransformerConfig) -> str
         layers = [gpt_layer_spec(config, args)]
     first = layers[0].submodules
     norm = _module_name(first.input_layernorm)
-    parts = [f"qkv {_module_name(first.self_attention.submodules.linear_qkv)}",
+    attention = first.self_attention.submodules
+    projection = getattr(attention, "linear_qkv", None) or attention.linear_kv_down_proj
+    parts = [f"{'qkv' if hasattr(attention, 'linear_qkv') else 'multi-latent kv down'} "
+             f"{_module_name(projection)}",
              "norm fused into qkv" if norm == "IdentityOp" else f"norm {norm}"]
     experts = {_module_name(layer.submodules.mlp.submodules.experts) for layer in layers
                if hasattr(layer.submodules.mlp.submodules, "experts")}

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from parm_trainer.mla_flags import attention_sizes
 from parm_trainer.moe.cost_model import CHUNK_CHOICES, plan_cost, sent_bytes, shape_plan
 from parm_trainer.moe.cost_profile import Profile
 from parm_trainer.moe.grouped_experts import applies_to_run
@@ -128,26 +129,38 @@ class ModelCost:
         channels = getattr(a, "kv_channels", None) or a.hidden_size // heads
         return heads * channels, groups * channels
 
-    def attention(self) -> tuple:
-        a, n, M, T = self.args, self.n, self.args.hidden_size, self.tp
-        heads = a.num_attention_heads
+    def _attention_extras(self) -> float:
+        """An attention's parameters beside its projection weights and input norm on this rank:
+        the biases and the query/key norms (multi-latent attention's latent norms are
+        attention_sizes' own)."""
+        a, M, T = self.args, self.args.hidden_size, self.tp
+        heads, mla = a.num_attention_heads, getattr(a, "multi_latent_attention", False)
         q, kv = self._widths()
-        qkv = 2 * n * M * (q + 2 * kv) / T
-        core = 4 * a.micro_batch_size * a.seq_length ** 2 * q / T
-        flops = qkv + core + 2 * n * q * M / T
-        softmax = 3 * a.micro_batch_size * heads / T * a.seq_length ** 2 * self.e
-        norm = 2 * n * M * self.e / (T if self.sp else 1)
-        # QKV, scores, values, projection
-        f, b = self._mp_block(self.gemm(flops, calls=4), self.traffic(softmax + norm))
-        params = (M * (q + 2 * kv) + q * M) / T + M
-        if getattr(a, "add_qkv_bias", False) or not getattr(a, "disable_bias_linear", True):
+        params = 0.0
+        bias = not getattr(a, "disable_bias_linear", True)
+        if not mla and (getattr(a, "add_qkv_bias", False) or bias):
             params += (q + 2 * kv) / T  # --add-qkv-bias (all biases: the projection's too)
-        if not getattr(a, "disable_bias_linear", True):
+        if bias:
             params += M
+        if mla:
+            return params
         if getattr(a, "qk_layernorm_across_heads", False):
             params += (q + kv) / T  # a weight per channel of every head, split with the heads
         elif getattr(a, "qk_layernorm", False):  # one head's width each, on every rank
             params += 2 * q / heads * (1 if getattr(a, "normalization", "") == "RMSNorm" else 2)
+        return params
+
+    def attention(self) -> tuple:
+        a, n, M, T = self.args, self.n, self.args.hidden_size, self.tp
+        heads = a.num_attention_heads
+        sizes = attention_sizes(a)  # multi-latent attention: its projections and head sizes
+        core = 2 * a.micro_batch_size * a.seq_length ** 2 * (sizes["score"] + sizes["value"]) / T
+        flops = 2 * n * sizes["split"] / T + core
+        softmax = 3 * a.micro_batch_size * heads / T * a.seq_length ** 2 * self.e
+        norm = 2 * n * M * self.e / (T if self.sp else 1)
+        # QKV, scores, values, projection
+        f, b = self._mp_block(self.gemm(flops, calls=4), self.traffic(softmax + norm))
+        params = sizes["split"] / T + sizes["whole"] + M + self._attention_extras()
         return f, b, params
 
     def mlp(self) -> tuple:
@@ -225,7 +238,8 @@ class ModelCost:
                      + hidden_drop)
         if getattr(a, "position_embedding_type", "") == "rope":
             attention += 2 * n * q * e / T
-        if getattr(a, "qk_layernorm", False):  # each norm's input (and RMSNorm's output)
+        if getattr(a, "qk_layernorm", False) and not getattr(a, "multi_latent_attention", False):
+            # each norm's input (and RMSNorm's output)
             attention += (q + kv) * n * e / T * (2 if rms else 1) + n * heads / T * 8
         if getattr(a, "attention_dropout", 0.0) > 0:
             attention += 2 * probs

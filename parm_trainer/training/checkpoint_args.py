@@ -5,9 +5,10 @@ model argument from the checkpoint: sizes that a command line may still set (Meg
 leaves those given a value), and the rest, always the checkpoint's. Here the same lists, in
 this stack's flag names, plus the few more that shape this stack's tensors (the vocabulary's
 padding, the norms' epsilon, the query/key norms, the shared expert's gate, group-limited
-routing). The tokenizer comes with them (Megatron-LM's --use-tokenizer-model-from-checkpoint-args, on by default):
-its type and --vocab-size always, its files where their flags are not given (the checkpoint's
-own copies: tokenizer.model, or vocab.json and merges.txt).
+routing, multi-latent attention's sizes and RoPE). The tokenizer comes with them (Megatron-LM's
+--use-tokenizer-model-from-checkpoint-args, on by default): its type and --vocab-size always,
+its files where their flags are not given (the checkpoint's own copies: tokenizer.model, or
+vocab.json and merges.txt).
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ ALWAYS = ("num_query_groups", "group_query_attention", "position_embedding_type"
           # this stack's, beside Megatron-LM's list
           "make_vocab_size_divisible_by", "norm_epsilon", "moe_shared_expert_gate",
           "moe_router_num_groups", "moe_router_group_topk", "tokenizer_type", "vocab_size",
-          "qk_layernorm", "qk_layernorm_across_heads")
+          "qk_layernorm", "qk_layernorm_across_heads", "multi_latent_attention", "q_lora_rank",
+          "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+          "rotary_scaling_factor", "mscale", "mscale_all_dim")
 
 
 def apply(args, given: set) -> list:

@@ -8,12 +8,14 @@ Per token and layer, forward:  2 * h * d * (2 n + 2 g_kv)        attention proje
                                                                 2 otherwise); dense MLP: k=1, H=F
                              + 2 * g * h * S (+ 2 * h)          the shared expert of width S (and
                                                                 its gate), where there is one
-plus 2 * h * V per token for the logits. Training = 3 x forward (backward ~ 2 x forward).
+plus 2 * h * V per token for the logits. With --multi-latent-attention the projections are its
+weights and the scores and values its head sizes (mla_flags.attention_sizes). Training = 3 x forward (backward ~ 2 x forward).
 Causal masking is not discounted, matching Megatron-LM's reporting.
 """
 
 from __future__ import annotations
 
+from parm_trainer.mla_flags import attention_sizes
 from parm_trainer.models.config import num_moe_layers
 
 
@@ -24,10 +26,8 @@ def flops_per_iteration(args, vocab_size: int | None = None,
     h, s, L = args.hidden_size, args.seq_length, args.num_layers
     vocab = vocab_size or getattr(args, "padded_vocab_size", 0) or 0
     gated = 3 if args.swiglu else 2
-    heads = args.num_attention_heads
-    d = getattr(args, "kv_channels", None) or h // heads
-    groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
-    per_layer_common = 2 * h * d * (2 * heads + 2 * groups) + 4 * s * heads * d
+    sizes = attention_sizes(args)  # multi-latent attention: its projections and head sizes
+    per_layer_common = 2 * sizes["split"] + 2 * s * (sizes["score"] + sizes["value"])
     dense_mlp = 2 * gated * h * args.ffn_hidden_size
     moe_layers = num_moe_layers(args)
     moe_mlp = 2 * h * (args.num_experts or 0) + 2 * args.moe_router_topk * gated * h * (

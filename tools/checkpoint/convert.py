@@ -1,10 +1,11 @@
 """Convert checkpoints between parm_trainer and Hugging Face transformers, in one process.
 
     # a GPT-MoE checkpoint of any layout -> a MixtralForCausalLM directory (Qwen2MoeForCausalLM
-    # for --moe-router-pre-softmax or dense layers between the MoE layers)
+    # for --moe-router-pre-softmax or dense layers between the MoE layers, DeepseekV3ForCausalLM
+    # with --multi-latent-attention)
     python tools/checkpoint/convert.py --loader parm --saver hf \\
         --load-dir runs/demo/checkpoints --save-dir runs/demo/hf
-    # a Mixtral (or such a Qwen2-MoE) directory -> a checkpoint that pretrain --load trains from
+    # a Mixtral, DeepSeek-V3 (or such a Qwen2-MoE) directory -> a checkpoint that pretrain --load trains from
     python tools/checkpoint/convert.py --loader hf --saver parm \\
         --load-dir runs/demo/hf --save-dir runs/imported
 

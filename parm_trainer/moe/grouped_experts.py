@@ -132,11 +132,24 @@ def register_flop_formula() -> None:
         flop_counter.register_flop_formula(torch.ops.aten._grouped_mm)(_grouped_mm_flops)
 
 
+def _pre_hooks(module) -> None:
+    """What calling the linear would run before its forward: megatron DDP's forward pre-hooks
+    wait there for the parameters' overlapped gather (--overlap-param-gather)."""
+    for key, hook in getattr(module, "_forward_pre_hooks", {}).items():
+        if key in module._forward_pre_hooks_with_kwargs:
+            hook(module, (), {})
+        else:
+            hook(module, ())
+
+
 def grouped_experts(experts, x, counts: list, probs):
     """The local experts on rows x (T, M) grouped by expert (counts: rows of each, on the
     host), each row's output scaled by its probability -> (T, M)."""
     offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     mlps = experts.local_experts
+    for mlp in mlps:
+        _pre_hooks(mlp.linear_fc1)
+        _pre_hooks(mlp.linear_fc2)
     weights = [m.linear_fc1.weight for m in mlps] + [m.linear_fc2.weight for m in mlps]
     return _Grouped.apply(x.contiguous(), probs, offs,
                           experts.config.gated_linear_unit, len(mlps), *weights)

@@ -29,7 +29,7 @@ class _Experts:  # what grouped_experts reads of megatron's SequentialMLP
 
 tuned = cpu_allocator.tune() and cpu_allocator.tune()  # a second call changes nothing
 faults = []
-for _ in range(6):
+for _ in range(10):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     rows = torch.randn(COUNT * ROWS, WIDTH, requires_grad=True)
     out = grouped_experts(_Experts, rows, [ROWS] * COUNT, torch.rand(COUNT * ROWS))

@@ -31,9 +31,16 @@ with warnings.catch_warnings():
 ITERATIONS = 20
 
 
+def rows_of(tokens: int) -> int:
+    return -(-tokens // 128) * 128 + 8
+
+
 def _qwen3_moe(directory, tokenizer_dir):
+    """A Qwen3-MoE whose embedding has more rows than its tokenizer padded to 128, as the
+    published ones do (151,936 rows, 151,665 tokens)."""
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
+    config = Qwen3MoeConfig(vocab_size=rows_of(len(tokenizer)), hidden_size=64,
+                            intermediate_size=96,
                             moe_intermediate_size=48, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
@@ -66,6 +73,8 @@ def test_import_preprocess_train_export_generate(gpt_data, hf_dir, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     flags = _printed_flags(result.stdout)
     assert "--qk-layernorm" in flags and "HuggingFaceTokenizer" in flags, flags
+    rows = rows_of(len(tokenizer))  # training pads the vocabulary to the checkpoint's rows
+    assert flags[flags.index("--make-vocab-size-divisible-by") + 1] == str(rows), flags
     copy = imported / "iter_0000000" / "hf_tokenizer"
 
     prefix = tmp_path / "corpus"

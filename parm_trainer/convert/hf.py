@@ -152,7 +152,9 @@ def import_from_hf(load_dir: str, save_dir: str, tokenizer_model: str | None = N
     values = target.model_flags(config)
     tokenizer = tokenizer_files.choose(load_dir, tokenizer_model, tokenizer_type)
     hf_vocab = config["vocab_size"]
-    padded = tokenizer_files.padded_rows(tokenizer, hf_vocab)
+    padded, multiple = tokenizer_files.padded_rows(tokenizer, hf_vocab)
+    if multiple != 128:  # Megatron-LM's default, left off the command line
+        values["make_vocab_size_divisible_by"] = multiple
     from parm_trainer.arguments import command_line
     from parm_trainer.convert.hf_files import Weights
     from parm_trainer.convert.single_process import build_one_rank_model, close, one_rank_args

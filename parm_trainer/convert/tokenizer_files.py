@@ -104,22 +104,23 @@ def choose(load_dir: str, tokenizer_model: Optional[str], kind: Optional[str]) -
     return _hugging_face(path) if kind == HUGGING_FACE else _sentencepiece(path)
 
 
-def padded_rows(tokenizer: Tokenizer, embedding_rows: int) -> int:
-    """The checkpoint's embedding rows (the tokenizer's size padded as training pads it);
-    refuses a tokenizer that does not fit config.json's vocab_size."""
+def padded_rows(tokenizer: Tokenizer, embedding_rows: int) -> tuple:
+    """(the checkpoint's embedding rows, --make-vocab-size-divisible-by that gives training
+    those rows): the tokenizer's size padded as training pads it (to 128), or, where
+    config.json has more rows than that (Qwen3's 151,936 for 151,665 tokens), the rows
+    themselves, as the multiple to pad to (under TP t training pads to lcm(rows, t): the same
+    rows wherever t divides them). Refuses a tokenizer larger than the embedding."""
     from parm_trainer.models.config import padded_vocab_size
 
-    padded = padded_vocab_size(tokenizer.size, 1)
     if tokenizer.size > embedding_rows:
         raise TokenizerChoiceError(
             f"the tokenizer {tokenizer.path} has {tokenizer.size} tokens, more than the model's "
             f"{embedding_rows} embedding rows (config.json vocab_size): its ids past "
             f"{embedding_rows - 1} would have no embedding")
+    padded = padded_vocab_size(tokenizer.size, 1)
     if embedding_rows > padded:
-        raise TokenizerChoiceError(
-            f"the tokenizer {tokenizer.path} has {tokenizer.size} tokens and the model "
-            f"{embedding_rows} embedding rows; they must agree up to the padding to {padded}")
-    return padded
+        return embedding_rows, embedding_rows
+    return padded, 128
 
 
 def exported_kind(args: dict, load_dir: str) -> str:

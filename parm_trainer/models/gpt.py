@@ -44,7 +44,8 @@ def gpt_layer_spec(config: TransformerConfig, args: argparse.Namespace,
     attention on the local spec gets models/mla.py's core attention; --qk-layernorm-across-heads
     its norms over all heads."""
     spec = _megatron_spec(config, args, vp_stage)
-    for layer in getattr(spec, "layer_specs", None) or [spec]:
+    # a block spec may hold no layer (a pipeline stage of the embedding alone)
+    for layer in spec.layer_specs if hasattr(spec, "layer_specs") else [spec]:
         use_local_latent_attention(layer)
         norms_across_heads(layer, args)
     return spec

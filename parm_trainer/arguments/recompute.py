@@ -99,9 +99,12 @@ def _modules_problem(args, modules) -> Optional[str]:
     if "moe_act" in modules and not getattr(args, "moe_grouped_gemm", False):
         return ("--recompute-modules moe_act needs --moe-grouped-gemm (megatron-core recomputes "
                 "the activation of its grouped experts only)")
+    if "mla_up_proj" in modules and not getattr(args, "multi_latent_attention", False):
+        return ("--recompute-modules mla_up_proj needs multi-latent attention "
+                "(--multi-latent-attention), as in megatron-core")
     if "mla_up_proj" in modules:
-        return ("--recompute-modules mla_up_proj needs multi-latent attention, which this stack "
-                "does not build; leave it out")
+        return ("--recompute-modules mla_up_proj is not built yet for this stack's multi-latent "
+                "attention; leave it out (core_attn recomputes the attention itself)")
     if ("shared_experts" in modules and args.moe_shared_expert_intermediate_size is not None
             and args.moe_shared_expert_overlap):
         return ("--recompute-modules shared_experts cannot work with "

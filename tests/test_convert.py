@@ -67,7 +67,7 @@ def exported(gpt_data, tmp_path_factory):
     return ckpt, hf, tmp
 
 
-def _project_logits(ckpt, sequences, out):
+def project_logits(ckpt, sequences, out):
     """The project's model on one rank (as the converter loads it), in a process of its own."""
     inputs = out.with_suffix(".json")
     inputs.write_text(json.dumps({"tokens": sequences}))
@@ -87,7 +87,7 @@ def test_export_loads_in_transformers_with_the_same_logits(exported, gpt_data):
               open(gpt_data["dir"] / "corpus.jsonl").read().splitlines()[:40]]
     sequences = [sp.encode(text)[:48] for text in corpus[:4]]
     assert all(len(s) == 48 for s in sequences)
-    ours = _project_logits(ckpt, sequences, tmp / "logits.pt")[..., :sp.vocab_size()]
+    ours = project_logits(ckpt, sequences, tmp / "logits.pt")[..., :sp.vocab_size()]
     with torch.no_grad():
         theirs = model(torch.tensor(sequences)).logits
     assert ours.shape == theirs.shape
@@ -239,7 +239,7 @@ def test_qwen2_moe_round_trip_with_the_same_logits(qwen2, gpt_data):
     for key, tensor in original.items():
         assert torch.equal(tensor, exported[key]), key
     sequences = _sequences(gpt_data)
-    ours = _project_logits(tmp / "imported", sequences, tmp / "logits.pt")[..., :2048]
+    ours = project_logits(tmp / "imported", sequences, tmp / "logits.pt")[..., :2048]
     with torch.no_grad():
         theirs = model(torch.tensor(sequences)).logits
     assert (ours - theirs).abs().max() <= 1e-4

@@ -20,7 +20,7 @@ import sentencepiece
 import torch
 
 from conftest import free_port, launch, tiny_gpt_args, torchrun
-from test_convert import PROMPT, _project_logits, _sequences, convert, generate
+from test_convert import PROMPT, project_logits, _sequences, convert, generate
 from test_convert_stream import _assert_same_weights, _weights
 
 with warnings.catch_warnings():
@@ -103,7 +103,7 @@ def test_import_has_transformers_logits_and_exports_bit_for_bit(deepseek, gpt_da
     _assert_same_weights(tmp / "original", tmp / "back")
     assert len(_weights_files(tmp / "back")) > 2
     sequences = _sequences(gpt_data)
-    ours = _project_logits(tmp / "imported", sequences, tmp / "logits.pt")[..., :2000]
+    ours = project_logits(tmp / "imported", sequences, tmp / "logits.pt")[..., :2000]
     with torch.no_grad():
         theirs = model(torch.tensor(sequences)).logits
     assert (ours - theirs).abs().max() <= 1e-4
@@ -131,7 +131,7 @@ def test_rope_interleave_false_imports_the_same_function(gpt_data, tmp_path):
     assert "--moe-router-num-groups" not in printed
     assert "--moe-shared-expert-intermediate-size" not in printed
     sequences = _sequences(gpt_data, count=2)
-    ours = _project_logits(tmp_path / "imported", sequences, tmp_path / "logits.pt")
+    ours = project_logits(tmp_path / "imported", sequences, tmp_path / "logits.pt")
     back = convert("--loader", "parm", "--saver", "hf", "--load-dir", tmp_path / "imported",
                    "--save-dir", tmp_path / "back", "--max-shard-size", SHARD)
     assert back.returncode == 0, back.stderr[-3000:]

@@ -27,6 +27,7 @@ import torch
 
 from bad_input_fixtures import assert_refused, pretrain_argv
 from conftest import ROOT, free_port, launch, max_relative, python, tiny_gpt_args, torchrun
+from test_convert import project_logits
 import test_models_init
 
 with warnings.catch_warnings():
@@ -174,15 +175,6 @@ def _under_layout(families, ckpt):
     return torch.load(families["layout"][ckpt])
 
 
-def _project_logits(ckpt, sequences, out):
-    """The project's model on one rank (as the converter loads it)."""
-    inputs = out.with_suffix(".json")
-    inputs.write_text(json.dumps({"tokens": sequences}))
-    run = python("tests/worker_project_logits.py", ckpt, inputs, out)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return torch.load(out)
-
-
 def _transformers(directory):
     name = json.loads((Path(directory) / "config.json").read_text())["architectures"][0]
     return getattr(transformers, name).from_pretrained(directory, dtype=torch.float32,
@@ -200,7 +192,7 @@ def test_import_has_transformers_logits_on_one_rank_and_under_tp_pp_ep(
     with torch.no_grad():
         theirs = model(torch.tensor(sequences)).logits
     assert theirs.abs().max() > 0.5  # weights that make the logits depend on every tensor
-    one = _project_logits(made["ckpt"], sequences, tmp_path / "logits.pt")
+    one = project_logits(made["ckpt"], sequences, tmp_path / "logits.pt")
     assert (one[..., :COMMON["vocab_size"]] - theirs).abs().max() <= 1e-4
     assert (_under_layout(families, made["ckpt"])["logits"] - theirs).abs().max() <= 1e-4
 

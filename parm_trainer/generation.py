@@ -153,6 +153,23 @@ def generate(model, prompt_ids: list, own, vocab_size: int, eod: int, args) -> l
     return new
 
 
+def readable(tokenizer, ids: list) -> str:
+    """The text of generated ids; an id past the tokenizer (a model whose embedding has more
+    rows than its tokenizer has tokens) is written <id N>, where detokenizing it would fail."""
+    size, out, run = tokenizer.vocab_size, [], []
+    for token in ids:
+        if token < size:
+            run.append(token)
+            continue
+        if run:
+            out.append(tokenizer.detokenize(run))
+            run = []
+        out.append(f"<id {token}>")
+    if run:
+        out.append(tokenizer.detokenize(run))
+    return "".join(out)
+
+
 def main(argv=None) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -186,7 +203,7 @@ def main(argv=None) -> None:
         vocab = getattr(args, "hf_vocab_size", None) or tokenizer.vocab_size
         new = generate(model, prompt_ids, own, vocab, tokenizer.eod, args)
         if torch.distributed.get_rank() == 0:
-            print(own.prompt + tokenizer.detokenize(new))
+            print(own.prompt + readable(tokenizer, new))
             print("prompt ids: " + " ".join(map(str, prompt_ids)))
             print("ids: " + " ".join(map(str, new)), flush=True)
         destroy_distributed()

@@ -230,3 +230,20 @@ def gpt2_files_flags(gpt2_files) -> dict:
     """tiny_gpt_args's overrides: the GPT-2 files instead of its --tokenizer-model."""
     return {"tokenizer-model": None, "vocab-file": gpt2_files["vocab_file"],
             "merge-file": gpt2_files["merge_file"]}
+
+
+def test_generated_ids_past_the_tokenizer_are_shown(sentencepiece_model):
+    """tools/generate.py's text line: a model with more embedding rows than its SentencePiece
+    tokenizer has pieces can generate an id the tokenizer cannot detokenize (sentencepiece
+    raises IndexError); it is written <id N>, the known ids around it as the tokenizer decodes
+    them."""
+    from parm_trainer.generation import readable
+
+    tokenizer = build_tokenizer("SentencePieceTokenizer", sentencepiece_model)
+    hello, world = tokenizer.tokenize("Hello"), tokenizer.tokenize(" world")
+    size = tokenizer.vocab_size
+    with pytest.raises(IndexError):
+        tokenizer.detokenize(hello + [size])
+    assert readable(tokenizer, hello + world) == tokenizer.detokenize(hello + world)
+    assert readable(tokenizer, hello + [size, size + 7] + world) == (
+        tokenizer.detokenize(hello) + f"<id {size}><id {size + 7}>" + tokenizer.detokenize(world))

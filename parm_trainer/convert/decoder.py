@@ -8,8 +8,8 @@ load (and writes itself in save_pretrained).
 
 The map is data: rules() lists every tensor of the project's model as a Rule, its name, the
 Hugging Face names it is made of, and a split and a merge between them; zeros() lists the
-Hugging Face tensors the model lacks. to_hf and from_hf apply the rules to a whole state dict;
-the streaming converters (hf.py) apply them one tensor, or one layer, at a time. Three rules
+Hugging Face tensors the model lacks. to_hf applies the rules to a state dict (or a part of
+one); the import (hf.py) applies them one tensor at a time. Three rules
 are not renames:
 - attention: megatron keeps one fused QKV weight, grouped per key/value head: for each of the g
   groups, its n/g query heads, then its key head, then its value head (d rows each); Hugging
@@ -363,15 +363,6 @@ def to_hf(state: dict, shape: Shape, target: Target, vocab_size: int, zeros_of=N
     for name, size in zeros(shape, target, sorted(held)).items():
         out[name] = torch.zeros(size, dtype=like.dtype, device=like.device)
     return {key: value.detach().contiguous() for key, value in out.items()}
-
-
-def from_hf(tensors: dict, shape: Shape, target: Target, padded_vocab_size: int) -> dict:
-    """A one-rank state dict from the target's tensors; embedding rows past the Hugging Face
-    vocabulary (the project pads it for tensor parallelism) are zero. A tensor the model lacks
-    must be zero (and of the shape the target gives it), else it is refused by name."""
-    check_zeros(tensors.__getitem__, tensors, shape, target)
-    return {rule.ours: rule.merge([tensors[name] for name in rule.theirs])
-            for rule in rules(shape, target, padded_vocab_size=padded_vocab_size)}
 
 
 def hf_names(shape: Shape, target: Target, with_zeros: bool = True) -> set:

@@ -58,7 +58,7 @@ def _predicted(args) -> float:
     [*FULL, "uniform", "--recompute-num-layers", "1"],
     [*FULL, "block", "--recompute-num-layers", "1"]])
 def test_added_time_is_the_forward_the_code_runs_again(one_rank_world, flags):
-    base = ["--micro-batch-size", "2", "--num-layers", "4", "--moe-layer-freq", "2",
+    base = ["--micro-batch-size", "2", "--moe-layer-freq", "2",  # layers: MoE, dense
             "--ffn-hidden-size", "128", "--moe-shared-expert-intermediate-size", "64",
             "--swiglu", *NO_DROPOUT]
     if "megatron" in flags:
@@ -137,9 +137,14 @@ def test_a_loose_limit_picks_none_and_the_users_flags_stay():
     # the user's own recompute is priced as given, never replaced, even where it does not fit
     given = ["--recompute-granularity", "selective", "--recompute-modules", "moe"]
     mine = _price(_args(*given))
-    args = _args(*given, "--memory-gb", str(mine.memory_bytes * 0.9 / 2**30))
-    auto_layout(args, log=lines.append)
-    assert args.recompute_modules == ["moe"] and args.recompute_method is None
+    for fraction in (0.9, 0.5):  # a slower split that fits, or none (refused as before)
+        args = _args(*given, "--memory-gb", str(mine.memory_bytes * fraction / 2**30))
+        try:
+            auto_layout(args, log=lines.append)
+        except NoSplitFits as error:
+            assert "recomputation" not in str(error)
+        assert args.recompute_modules == ["moe"] and args.recompute_method is None
+    assert not any(line.startswith("--memory-gb") for line in lines)
 
 
 def test_an_impossible_limit_is_refused_naming_recomputation():

@@ -1,7 +1,8 @@
-"""Activation recomputation chosen under --memory-gb: where the plain layout (no recompute) does
-not fit the limit, the stage builder (stages.auto_layout) and tools/plan_layout.py (search.py)
-try Megatron-LM's recompute settings and take the one of least predicted iteration time whose
-memory estimate fits (rank_memory.py: the numbers the start-up check compares).
+"""Activation recomputation chosen under --memory-gb: where the fastest split without
+recomputation does not fit the limit (or only slower splits do), the stage builder
+(stages.auto_layout) and tools/plan_layout.py (search.py) try Megatron-LM's recompute settings
+and take the split of least predicted iteration time whose memory estimate fits
+(rank_memory.py: the numbers the start-up check compares), the plain one among them.
 
 The settings, about in order of the time they add (recompute_cost.py prices each):
     selective core_attn              the softmax and its mask again

@@ -52,7 +52,7 @@ PRETRAIN_CASES = [
     ("memory_limit_auto_stages", 2, ["--pipeline-model-parallel-size", "2", "--memory-gb",
                                      "0.001", "--pipeline-model-parallel-layout", "auto"], 1,
      ["--pipeline-model-parallel-layout auto: no split into 2 stages fits the memory limit of "
-      "0.001 GiB per rank"]),
+      "0.001 GiB per rank, nor with activation recomputation (tried 4 settings)"]),
     ("layout_with_first_stage", 2, ["--pipeline-model-parallel-size", "2",
                                     "--pipeline-model-parallel-layout", "Et|tL",
                                     "--decoder-first-pipeline-num-layers", "1"], 1,

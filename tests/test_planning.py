@@ -186,10 +186,23 @@ def test_plan_layout_ranks_layouts_that_run(capsys):
         validate_layout(trial)
         assert (trial.virtual_pipeline_model_parallel_size or 1) == c.vp
         assert c.layout.count("t") == 6 and c.layout.count("|") == c.pp * c.vp - 1
-    # a memory limit leaves out what it must, and one nothing meets is refused in one line
+    # under a memory limit, a layout over it without recomputation takes a recompute setting
+    # (recompute_choice.py; test_recompute_choice.py) whose flags run; one nothing meets is
+    # refused in one line
     limit = sorted(c.memory_bytes for c in ranked)[len(ranked) // 2]
     kept = candidates(model, DEFAULT_PROFILE, 2, 2, 32000, memory_limit_bytes=limit)
-    assert kept and all(c.memory_bytes <= limit for c in kept) and len(kept) < len(ranked)
+    assert kept and all(c.memory_bytes <= limit for c in kept)
+    plain = {(c.tp, c.ep, c.esp, c.pp, c.vp): c for c in ranked}
+    assert not any(c.recompute for c in ranked)
+    for c in kept:
+        before = plain[c.tp, c.ep, c.esp, c.pp, c.vp]
+        assert c.recompute or before.memory_bytes <= limit
+        assert not c.recompute or c.iteration_s > before.iteration_s  # it costs time
+        if c.recompute:
+            trial = parse_args([*PLAN_MODEL, *c.flags()], world_size=4)
+            validate_layout(trial)
+            assert trial.recompute_granularity == c.recompute[1]
+    assert any(c.recompute for c in kept) and any(not c.recompute for c in kept)
     assert plan_layout.main(["--nodes", "2", "--gpus-per-node", "2", "--memory-gb", "0.0001",
                              "--", *PLAN_MODEL]) == 1
     assert "error: no layout runs this model on 2 x 2 ranks within --memory-gb" in \

@@ -21,6 +21,7 @@ MoE layers (--moe-layer-freq 2) and a shared expert:
 """
 
 import json
+import math
 
 from conftest import run_rank_workers
 
@@ -176,3 +177,65 @@ def test_each_choice_matches_on_four_ranks_and_moe_recompute_sends_nothing_more(
         megatron = by_group(runs)["megatron"]
         assert megatron["moe"]["ep_a2a"] == megatron["full_uniform"]["ep_a2a"], rank
         assert 1.49 < megatron["moe"]["ep_a2a"] / megatron["none"]["ep_a2a"] < 1.51, rank
+
+
+def _planned(argv: list):
+    """args as the start-up has them before the stage builder runs (2 ranks)."""
+    from parm_trainer.arguments import parse_args
+    from parm_trainer.data.tokenizer import tokenizer_from_args
+    from parm_trainer.models.config import padded_vocab_size
+    from parm_trainer.planning.checks import validate_layout
+    from parm_trainer.planning.layout import check_pipeline
+
+    args = parse_args(argv, world_size=2)
+    validate_layout(args)
+    args.padded_vocab_size = padded_vocab_size(tokenizer_from_args(args).vocab_size, 1,
+                                               args.make_vocab_size_divisible_by)
+    check_pipeline(args)
+    return args
+
+
+def test_auto_layout_recomputes_under_memory_gb_and_fits(tmp_path, gpt_data):
+    """PP2, --pipeline-model-parallel-layout auto and --memory-gb at 0.6 of the plain split's
+    estimate (sequence 256: activations dominate): the run chooses and logs the recompute
+    setting the stage builder picks here (test_recompute_choice.py checks that choice), trains
+    to the losses of the same run with those flags and stages given by hand, and the memory
+    probe's figures (parameters, gradients, optimizer state, the peak of saved activations)
+    fit under the limit on both pipeline ranks."""
+    from parm_trainer.moe.cost_profile import load_profile
+    from parm_trainer.planning.model_cost import ModelCost
+    from parm_trainer.planning.stages import auto_layout, price_split
+
+    base = model_flags(gpt_data, gpt_data["prefix"], **{
+        "pipeline-model-parallel-size": 2, "seq-length": 256, "max-position-embeddings": 256,
+        "global-batch-size": 4})
+    auto = [*base, "--pipeline-model-parallel-layout", "auto"]
+    plain = _planned(auto)
+    estimate = price_split(plain, ModelCost(plain, load_profile(plain)), 2, 1, 2).memory_bytes
+    limit = 0.6 * estimate / 2**30
+    expected, lines = _planned([*auto, "--memory-gb", f"{limit:.6f}"]), []
+    stages = auto_layout(expected, log=lines.append)
+    assert expected.recompute_granularity is not None, lines  # the plain split does not fit
+    by_hand = (["--recompute-granularity", expected.recompute_granularity]
+               + (["--recompute-method", expected.recompute_method, "--recompute-num-layers",
+                   str(expected.recompute_num_layers)] if expected.recompute_method else
+                  ["--recompute-modules", *expected.recompute_modules]))
+    runs = [{"name": "auto/chosen", "model": "gpt", "argv": [*auto, "--memory-gb",
+                                                                f"{limit:.6f}"]},
+            {"name": "auto/by_hand", "model": "gpt", "argv": [
+                *base, "--pipeline-model-parallel-layout", stages, *by_hand]}]
+    per_rank = launch(tmp_path, 2, runs)
+    for rank, got in per_rank.items():
+        chosen, hand = got["auto/chosen"], got["auto/by_hand"]
+        assert chosen["recompute"] == [expected.recompute_granularity,
+                                       expected.recompute_method,
+                                       expected.recompute_num_layers,
+                                       expected.recompute_modules], (rank, chosen["recompute"])
+        assert chosen["stages"] == hand["stages"] == stages
+        assert all(math.isfinite(x) for x in chosen["lm loss"]) and len(chosen["lm loss"]) == 3
+        assert relative(chosen["lm loss"], hand["lm loss"]) < 1e-6, rank
+        measured = chosen["state"] + chosen["peak"]
+        assert measured < limit * 2**30, (rank, measured / 2**20, limit * 2**10)
+    said = per_rank[0]["auto/chosen"]["said"]
+    assert len(said) == 1 and " ".join(by_hand) in said[0], said
+    assert "ms more than the fastest split without it" in said[0]

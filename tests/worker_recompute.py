@@ -6,10 +6,14 @@ process groups reset between runs, and reports per run: each iteration's lm loss
 norm and seconds, the peak bytes of saved activations over the first iteration (memory_probe's
 SavedActivations) and the start-up estimate of them (planning/memory_estimate.py), the bytes the MoE layers' collectives sent per iteration (Parm's ledger,
 comm.LEDGER), and the bytes of every all_to_all_single over the expert-parallel group (the
-EP exchange of Parm's layer and of megatron-core's alltoall dispatcher alike).
+EP exchange of Parm's layer and of megatron-core's alltoall dispatcher alike); and what the
+start-up chose (the recompute fields and stages, its "--memory-gb" log lines) and this rank's
+parameter, gradient and optimizer bytes (memory_probe.state_bytes).
 """
 
+import contextlib
 import functools
+import io
 import json
 import sys
 import time
@@ -22,6 +26,18 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the entry points; rank_main
 
 HANG_S = 900
 _EP_A2A = {"bytes": 0}
+
+
+class _Tee(io.StringIO):
+    """Keeps what is printed and passes it on."""
+
+    def __init__(self, out):
+        super().__init__()
+        self.out = out
+
+    def write(self, text):
+        self.out.write(text)
+        return super().write(text)
 
 
 def _count_ep_all_to_all():
@@ -46,11 +62,13 @@ def _train(run, entries):
     from parm_trainer.training import watchdog
     from parm_trainer.training.initialize import initialize
     from parm_trainer.training.loop import Trainer
-    from parm_trainer.training.memory_probe import SavedActivations
+    from parm_trainer.training.memory_probe import SavedActivations, state_bytes
 
     entry, bert = entries[run["model"]], run["model"] == "bert"
     extra = (entry.add_bert_args, entry.check_bert_inputs) if bert else ()
-    args = initialize(run["argv"], *extra)
+    said = _Tee(sys.stdout)
+    with contextlib.redirect_stdout(said):
+        args = initialize(run["argv"], *extra)
     forward_step, names = entry.forward_step, ("lm loss",)
     if bert:
         forward_step = functools.partial(forward_step, binary_head=args.bert_binary_head)
@@ -84,6 +102,12 @@ def _train(run, entries):
     seen["ledger"] = {key: row["sent"] / iterations
                       for key, row in LEDGER.totals(per_phase=True).items()}
     seen["ep_a2a"] = _EP_A2A["bytes"] / iterations
+    seen["state"] = sum(state_bytes(trainer.model, trainer.optimizer))
+    seen["recompute"] = [getattr(args, f"recompute_{name}")
+                         for name in ("granularity", "method", "num_layers", "modules")]
+    seen["stages"] = args.pipeline_stages
+    seen["said"] = [line for line in said.getvalue().splitlines()
+                    if line.startswith("--memory-gb")]
     watchdog.stop()
     del trainer
     torch.distributed.barrier()

@@ -2,9 +2,10 @@
 
 Every layout of the model on that cluster (TP inside a node, EP, ESP, PP, virtual stages, DP,
 the MoE schedule and depth, the stages), ranked by the whole-model cost model's predicted time
-per iteration (parm_trainer/planning/); layouts over --memory-gb per rank are left out. Prints
-the best --top (ms/iter, tokens/s, peak memory per rank, what most of the iteration goes to)
-and the best one's flags. MODEL FLAGS are pretrain_gpt_moe.py's model and batch flags. Prices
+per iteration (parm_trainer/planning/); under --memory-gb per rank, a layout over it takes the
+activation recomputation of least predicted time that fits (none: left out). Prints the best
+--top (ms/iter, tokens/s, peak memory per rank, what most of the iteration goes to, the
+recompute chosen) and the best one's flags. MODEL FLAGS are pretrain_gpt_moe.py's model and batch flags. Prices
 come from --profile (tools/calibrate_comm.py on the cluster), else the built-in default
 profile (assumed A100 figures, not measurements). For example:
 
@@ -71,11 +72,13 @@ def main(argv=None) -> int:
     print(f"{len(ranked)} layouts on {args.nodes} nodes x {args.gpus_per_node}, priced with "
           f"{priced}; the best {min(args.top, len(ranked))}:")
     print(f"{'TP':>3} {'EP':>3} {'ESP':>3} {'PP':>3} {'VP':>3} {'DP':>3} {'MoE':>8}  "
-          f"{'ms/iter':>9} {'tokens/s':>10} {'MiB/rank':>9}  {'main cost':<32} layout")
+          f"{'ms/iter':>9} {'tokens/s':>10} {'MiB/rank':>9}  {'main cost':<32} "
+          f"{'recompute':<20} layout")
     for c in ranked[:args.top]:
+        recompute = " ".join(f for f in c.recompute if not f.startswith("--")) or "-"
         print(f"{c.tp:>3} {c.ep:>3} {c.esp:>3} {c.pp:>3} {c.vp:>3} {c.dp:>3} {c.schedule:>8}  "
               f"{c.iteration_s * 1e3:>9.2f} {c.tokens_per_s:>10.0f} "
-              f"{c.memory_bytes / 2**20:>9.1f}  {c.main_cost:<32} {c.layout}")
+              f"{c.memory_bytes / 2**20:>9.1f}  {c.main_cost:<32} {recompute:<20} {c.layout}")
     print("best: " + " ".join(ranked[0].flags()))
     if args.json:
         with open(args.json, "w") as f:

@@ -19,7 +19,8 @@ Per pipeline rank (its chunks under the run's layout, args.pipeline_stages):
                          --overlap-moe-expert-parallel-comm)
   dispatch buffers       one MoE layer's exchange at a time: the rows it sends and receives
                          (transient, not saved)
-The same numbers the stage builder splits by under --memory-gb (stages.predict). They leave out
+The same numbers the stage builder splits by under --memory-gb (stages.predict and
+rank_memory.py: stages.price_split). They leave out
 the framework itself (CUDA context, allocator caching, on CPU the interpreter and libraries).
 """
 
@@ -28,8 +29,8 @@ from __future__ import annotations
 from parm_trainer.moe.cost_profile import DEFAULT_PROFILE
 from parm_trainer.planning import recompute_cost
 from parm_trainer.planning.model_cost import ModelCost
+from parm_trainer.planning.rank_memory import entries
 from parm_trainer.planning.stages import predict
-from parm_trainer.planning.paired_microbatches import in_flight
 
 MIB = 2 ** 20
 
@@ -53,33 +54,13 @@ def estimate(args, profile=None) -> tuple:
     without the P2P transfers}], the predicted iteration seconds), priced with profile (the
     default profile if None; memory does not depend on it)."""
     cost = ModelCost(args, profile or DEFAULT_PROFILE)
-    kept = cost.n * args.hidden_size * cost.e / (cost.tp if cost.sp else 1)  # a layer's input
-    runs = recompute_cost.full(args, stage_runs(args, cost.pieces()), kept)
+    runs = recompute_cost.full(args, stage_runs(args, cost.pieces()),
+                               recompute_cost.kept_input(cost))
     pp = args.pipeline_model_parallel_size
-    vp = len(runs) // pp
     microbatches = max(1, args.global_batch_size // (args.micro_batch_size * cost.dp))
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
-    predicted = predict(runs, cost, pp, vp, microbatches, tied)
-    ranks = predicted["ranks"]
-    paired = in_flight(args, microbatches)  # 1 with pipeline stages
-    for r, rank in enumerate(ranks):  # --overlap-moe-expert-parallel-comm holds a pair at once
-        extra = (paired - 1) * rank["activation_bytes"] / rank["in_flight"]
-        # recomputation: a recomputed part's activations alive again during its backward
-        extra += max(recompute_cost.transient(runs[c]) for c in range(r, len(runs), pp))
-        rank["in_flight"] *= paired
-        rank["activation_bytes"] += extra
-        rank["memory_bytes"] += extra
-    rows = cost.n * (args.moe_router_topk or 0) * (args.expert_tensor_parallel_size or 1) / cost.tp
-    out = []
-    for r, rank in enumerate(ranks):
-        moe = any(p.kind == "m" for c, run in enumerate(runs) if c % pp == r for p in run)
-        dispatch = 2 * rows * args.hidden_size * cost.e if moe else 0.0
-        out.append({"weights_grads": rank["weights_grads_bytes"],
-                    "optimizer": rank["optimizer_bytes"],
-                    "activations": rank["activation_bytes"], "in_flight": rank["in_flight"],
-                    "dispatch": dispatch, "compute_s": rank["compute_s"],
-                    "total": rank["memory_bytes"] + dispatch})
-    return out, predicted["iteration_s"]
+    predicted = predict(runs, cost, pp, len(runs) // pp, microbatches, tied)
+    return entries(args, cost, runs, predicted, microbatches), predicted["iteration_s"]
 
 
 def describe_times(ranks: list, iteration_s: float, source: str) -> str:

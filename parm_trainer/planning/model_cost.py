@@ -269,9 +269,11 @@ class ModelCost:
         kind = "m" if moe else "t"
         if not moe:
             mf, mb, mlp_params = self.mlp()
+            mb += recompute_cost.selective_s(self, moe)  # recomputed parts' forward again
             return Piece(kind, af + mf, ab + mb, attn_params + mlp_params, 0.0,
                          self.activations(kind), self.recomputed(kind))
         mf, mb, experts, router = self.moe_mlp()
+        mb += recompute_cost.selective_s(self, moe)
         return Piece(kind, af + mf, ab + mb, attn_params + experts + router +
                      self.args.hidden_size, experts, self.activations(kind),
                      self.recomputed(kind))
@@ -290,7 +292,10 @@ class ModelCost:
         """[E, layer 0 .. layer N-1, L] on one rank."""
         moe = moe_layers(self.args)
         cache = {}
-        layers = [cache.setdefault(m, self.layer(m)) for m in moe]
+        for m in moe:  # each kind priced once
+            if m not in cache:
+                cache[m] = self.layer(m)
+        layers = [cache[m] for m in moe]
         return [self.embedding(), *layers, self.head()]
 
     # --- per stage --------------------------------------------------------------------------

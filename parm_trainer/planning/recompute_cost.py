@@ -21,7 +21,11 @@ in the backward and the one recomputed unit alive at a time.
 
 While a recomputed part's backward runs, what it dropped is alive again, and the pieces after
 it in the chunk have already let go of theirs: transient() is what that adds to the chunk's
-saved bytes at its worst, for the one micro-batch in its backward.
+saved bytes at its worst, for the one micro-batch in its backward. Time (selective_s): each
+recomputed part's forward runs again in its layer's backward, as the code re-runs it: core
+attention (scores, softmax, values), the norms, a dense MLP with its MP collectives, Parm's
+local experts on the rows received (no exchange) and its shared expert, megatron's whole MoE
+layer (exchange included), the grouped experts' activation.
 """
 
 from __future__ import annotations
@@ -77,6 +81,72 @@ def received_rows(cost) -> float:
     local = experts // ep
     picks = 1 - math.comb(experts - local, k) / math.comb(experts, k)
     return a.expert_tensor_parallel_size * ep * cost.n / cost.tp * picks
+
+
+def kept_input(cost) -> float:
+    """Bytes of one tensor between layers (what a fully recomputed unit keeps)."""
+    return cost.n * cost.args.hidden_size * cost.e / (cost.tp if cost.sp else 1)
+
+
+def selective_s(cost, moe: bool) -> float:
+    """Seconds selective recompute adds to one decoder layer's backward (cost: a ModelCost;
+    moe: an MoE layer, priced after cost.moe_mlp chose its schedule)."""
+    modules, a = selective(cost.args), cost.args
+    seconds = 0.0
+    if "core_attn" in modules:  # the two GEMMs of scores and values and the softmax's traffic
+        from parm_trainer.mla_flags import attention_sizes
+
+        b, s, sizes = a.micro_batch_size, a.seq_length, attention_sizes(a)
+        seconds += cost.gemm(2 * b * s * s * (sizes["score"] + sizes["value"]) / cost.tp,
+                             calls=2)
+        seconds += cost.traffic(3 * b * a.num_attention_heads / cost.tp * s * s * cost.e)
+    if "layernorm" in modules:  # the input and pre-MLP norms
+        seconds += 2 * cost.traffic(2 * kept_input(cost))
+    if not moe:
+        return seconds + (cost.mlp()[0] if "mlp" in modules else 0.0)
+    if "moe" in modules and a.moe_parm_schedule == "megatron":
+        seconds += cost.moe_mlp()[0]  # megatron's checkpoint of its whole MoELayer
+    elif "moe" in modules:
+        seconds += _local_experts_s(cost)
+    if "shared_experts" in modules or ("moe" in modules and a.moe_parm_schedule != "megatron"):
+        seconds += _shared_expert_s(cost)
+    if "moe_act" in modules and "moe" not in modules:  # the activation over the expert rows
+        rows = cost.n * a.moe_router_topk / cost.tp
+        seconds += cost.traffic(rows * a.moe_ffn_hidden_size * cost.e
+                                * (3 if getattr(a, "swiglu", False) else 2))
+    return seconds
+
+
+def _chosen_shape(cost):
+    """(plan, LayerShape) of the MoE schedule and depth cost.moe_mlp priced."""
+    from parm_trainer.moe.cost_model import shape_plan
+    from parm_trainer.moe.cost_shape import layer_shape
+
+    name, chunks = cost.moe_choice
+    shape = replace(layer_shape(cost.args, per_node=cost.profile.gpus_per_node),
+                    bytes_per_element=cost.e, chunks=int(chunks[1:]))
+    return shape_plan(name, shape), shape
+
+
+def _local_experts_s(cost) -> float:
+    """Parm's "moe" recompute: the local experts' forward work on the rows the exchange
+    received (layer.local: once per piece of the exchange), priced as the plan prices it."""
+    from parm_trainer.moe.cost_model import _work_s, step_load, walk
+
+    plan, shape = _chosen_shape(cost)
+    seconds = 0.0
+    for step, held in walk(plan, shape):
+        load, _ = step_load(step, shape, held)
+        if load.exchange or step.op == "expert":
+            r = load.chunks
+            seconds += r * _work_s(load.flops / r, load.moved / r, cost.profile, load.gemms)
+    return seconds * cost.profile.layer[1]
+
+
+def _shared_expert_s(cost) -> float:
+    from parm_trainer.moe.cost_model import shared_expert_s
+
+    return shared_expert_s(_chosen_shape(cost)[1], cost.profile)[0]
 
 
 def full(args, runs: list, kept_input: float) -> list:

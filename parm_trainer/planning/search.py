@@ -2,9 +2,12 @@
 
 A layout is TP (inside a node), EP, ESP, PP, V (virtual stages per rank), DP (what is left),
 the MoE schedule and depth (the cheapest s1/s2 and r the cost model finds for it) and the
-stages (stages.split, under the memory limit). Each candidate's flags go through the project's
-own checks (arguments.parse_args and planning/checks.validate_layout, with PP checked here since the
-stage builder need not split layers evenly), so a ranked layout is one that runs.
+stages (stages.split, under the memory limit as the start-up estimate counts it; where the
+split without recomputation does not fit, the recompute setting of least predicted time that
+does: recompute_choice.py, its flags among the candidate's). Each candidate's flags go through
+the project's own checks (arguments.parse_args and planning/checks.validate_layout, with PP
+checked here since the stage builder need not split layers evenly), so a ranked layout is one
+that runs.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from dataclasses import dataclass
 from parm_trainer.models.config import padded_vocab_size
 from parm_trainer.planning.layout import STAGE_FLAGS
 from parm_trainer.planning.model_cost import ModelCost
-from parm_trainer.planning.stages import (NoSplitFits, in_flight, layout_string, predict,
-                                          split)
+from parm_trainer.planning.recompute_choice import choose
+from parm_trainer.planning.stages import NoSplitFits, layout_string, price_split
 
 
 @dataclass
@@ -33,6 +36,7 @@ class Candidate:
     memory_bytes: float   # the largest over ranks
     main_cost: str        # what most of the iteration goes to
     tokens_per_s: float
+    recompute: tuple = ()  # recompute flags chosen under the memory limit (recompute_choice)
 
     def flags(self) -> list:
         flags = ["--tensor-model-parallel-size", self.tp, "--expert-model-parallel-size", self.ep,
@@ -42,7 +46,7 @@ class Candidate:
             flags.append("--sequence-parallel")
         if self.pp > 1:  # P x V stages in the string: megatron reads V from it
             flags += ["--pipeline-model-parallel-layout", self.layout]
-        return [str(f) for f in flags]
+        return [str(f) for f in [*flags, *self.recompute]]
 
 
 def _divisors(n: int) -> list:
@@ -93,24 +97,26 @@ def _trial(args, world, tp, pp, ep, esp, vocab):
 
 
 def _priced(trial, profile, tp, ep, esp, pp, vp, dp, memory_limit_bytes) -> list:
-    cost = ModelCost(trial, profile)
-    try:
-        pieces = cost.pieces()
-        microbatches = trial.global_batch_size // (trial.micro_batch_size * dp)
-        runs = split(pieces, pp * vp, cost, in_flight(pp, vp, microbatches), memory_limit_bytes)
-    except (NoSplitFits, ValueError):
+    microbatches = trial.global_batch_size // (trial.micro_batch_size * dp)
+    tied = not getattr(trial, "untie_embeddings_and_output_weights", False)
+    costs = []
+
+    def price(args, limit):
+        costs.append(ModelCost(args, profile))
+        return price_split(args, costs[-1], pp, vp, microbatches, limit, tied)
+
+    try:  # under the limit, recomputation where the plain split does not fit
+        chosen = choose(trial, price, memory_limit_bytes, NoSplitFits)
+    except ValueError:  # NoSplitFits, or no MoE schedule runs the layout
         return []
-    result = predict(runs, cost, pp, vp, microbatches)
-    ranks = result["ranks"]
+    result, ranks = chosen.predicted, chosen.predicted["ranks"]
     slowest = max(r["time_s"] for r in ranks)
     parts = {"stage compute and MP/EP traffic": microbatches * slowest,
              "pipeline bubble": max(0.0, sum(result["steps_s"]) - microbatches * slowest),
              "gradient sync and optimizer": max(r["sync_s"] for r in ranks)}
-    memory = max(r["memory_bytes"] for r in ranks)
-    if memory_limit_bytes is not None and memory > memory_limit_bytes:
-        return []
-    schedule = "dense" if not trial.num_experts else "/".join(cost.moe_choice)
+    schedule = "dense" if not trial.num_experts else "/".join(costs[0].moe_choice)
     tokens = trial.global_batch_size * trial.seq_length
-    return [Candidate(tp, ep, esp, pp, vp, dp, schedule, layout_string(runs),
-                      result["iteration_s"], memory, max(parts, key=parts.get),
-                      tokens / result["iteration_s"])]
+    recompute = tuple(chosen.setting.flags()) if chosen.setting else ()
+    return [Candidate(tp, ep, esp, pp, vp, dp, schedule, layout_string(chosen.runs),
+                      result["iteration_s"], chosen.memory_bytes, max(parts, key=parts.get),
+                      tokens / result["iteration_s"], recompute)]

@@ -26,7 +26,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from parm_trainer.planning import recompute_choice, recompute_cost
 from parm_trainer.planning.model_cost import ModelCost
+from parm_trainer.planning.rank_memory import entries
+from parm_trainer.planning.recompute_choice import Priced
 from parm_trainer.planning.pipeline_sim import one_f_one_b, table, warmup
 
 
@@ -58,9 +61,11 @@ def _stage_params(pieces, tied: bool) -> tuple:
 
 
 def split(pieces: list, stages: int, cost: ModelCost, in_flight: list = None,
-          memory_limit_bytes: float = None, tied: bool = True) -> list:
+          memory_limit_bytes: float = None, tied: bool = True, priced=None) -> list:
     """The pieces in `stages` runs (lists) minimising the largest run's time, each under
-    memory_limit_bytes with in_flight[k] micro-batches' activations on run k."""
+    memory_limit_bytes with in_flight[k] micro-batches' activations on run k. priced(run):
+    the run as a stage prices it (full recompute's pieces, recompute_cost.full), where the
+    pieces alone do not say (a recomputed part's transient bytes count too)."""
     n = len(pieces)
     if stages > n:
         raise NoSplitFits(f"{stages} pipeline stages for {n - 2} decoder layers plus the "
@@ -69,12 +74,21 @@ def split(pieces: list, stages: int, cost: ModelCost, in_flight: list = None,
     times = [0.0]
     for p in pieces:
         times.append(times[-1] + p.total_s)
+    runs = {}
+
+    def run_of(i, j) -> tuple:  # (time, state bytes, activation bytes, transient bytes)
+        if (i, j) not in runs:
+            run = pieces[i:j] if priced is None else priced(pieces[i:j])
+            params, experts = _stage_params(run, tied)
+            runs[i, j] = (times[j] - times[i] if priced is None else
+                          sum(p.total_s for p in run), cost.state_bytes(params, experts),
+                          sum(p.activation_bytes for p in run),
+                          recompute_cost.transient(run) if priced else 0.0)
+        return runs[i, j]
 
     def memory(i, j, k):
-        run = pieces[i:j]
-        params, experts = _stage_params(run, tied)
-        return cost.state_bytes(params, experts) + in_flight[k] * sum(p.activation_bytes
-                                                                      for p in run)
+        _, state, activations, transient = run_of(i, j)
+        return state + in_flight[k] * activations + transient
 
     inf = math.inf
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
@@ -87,7 +101,7 @@ def split(pieces: list, stages: int, cost: ModelCost, in_flight: list = None,
                     continue
                 if memory_limit_bytes is not None and memory(i, j, k - 1) > memory_limit_bytes:
                     continue
-                value = max(best[k - 1][i], times[j] - times[i])
+                value = max(best[k - 1][i], run_of(i, j)[0])
                 if value < best[k][j]:
                     best[k][j], cut[k][j] = value, i
     if best[stages][n] == inf:
@@ -265,28 +279,47 @@ def _played_out(ranks, waiting, pp, vp, microbatches, size, profile,
     return one_f_one_b(work, other, pp, microbatches, size, profile.concurrency, vp, transfer)
 
 
+def price_split(args, cost: ModelCost, pp: int, vp: int, microbatches: int,
+                limit: float = None, tied: bool = True) -> Priced:
+    """The split of least predicted iteration time for args' model under its recompute
+    flags, each stage under limit (bytes per rank), priced as the start-up estimate prices
+    it (rank_memory.py); raises NoSplitFits."""
+    kept = recompute_cost.kept_input(cost)
+    recomputed = recompute_choice.user_given(args)
+    runs = split(cost.pieces(), pp * vp, cost, in_flight(pp, vp, microbatches), limit, tied,
+                 priced=(lambda run: recompute_cost.full(args, [run], kept)[0]) if recomputed
+                 else None)
+    priced = recompute_cost.full(args, runs, kept)
+    predicted = predict(priced, cost, pp, vp, microbatches, tied)
+    return Priced(runs, predicted, entries(args, cost, priced, predicted, microbatches))
+
+
 def auto_layout(args, log=print) -> str:
     """--pipeline-model-parallel-layout auto: the split of least predicted iteration time for
     args' model, PP and virtual stages, priced with --moe-parm-cost-profile (or the built-in
-    default profile); logs the layout and each stage's predicted time and memory."""
+    default profile); logs the layout and each stage's predicted time and memory. Under
+    --memory-gb, where the split without recomputation does not fit, the recompute setting
+    of least predicted time that does (recompute_choice.py), set in args and logged."""
     from parm_trainer.moe.cost_profile import load_profile, profile_source
 
     profile = load_profile(args)
-    cost = ModelCost(args, profile)
-    pieces = cost.pieces()
     pp = args.pipeline_model_parallel_size
     vp = getattr(args, "num_virtual_stages_per_pipeline_rank", None) or 1
-    microbatches = args.global_batch_size // (args.micro_batch_size * cost.dp)
+    microbatches = args.global_batch_size // (args.micro_batch_size * ModelCost(
+        args, profile).dp)
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
     limit = args.memory_gb * 2**30 if getattr(args, "memory_gb", None) else None
-    runs = split(pieces, pp * vp, cost, in_flight(pp, vp, microbatches),
-                 memory_limit_bytes=limit, tied=tied)
-    layout = layout_string(runs)
-    result = predict(runs, cost, pp, vp, microbatches, tied)
+    chosen = recompute_choice.choose(
+        args, lambda trial, most: price_split(trial, ModelCost(trial, profile), pp, vp,
+                                              microbatches, most, tied), limit, NoSplitFits)
+    if chosen.setting is not None:
+        recompute_choice.apply(args, chosen.setting)
+        log(recompute_choice.describe(chosen, limit))
+    layout, result = layout_string(chosen.runs), chosen.predicted
     source = profile_source(args, profile)
     stages = "; ".join(f"rank {r}: {rank['time_s'] * 1e3:.2f} ms per micro-batch, "
-                       f"{rank['memory_bytes'] / 2**20:.1f} MiB"
-                       for r, rank in enumerate(result["ranks"]))
+                       f"{memory['total'] / 2**20:.1f} MiB"
+                       for r, (rank, memory) in enumerate(zip(result["ranks"], chosen.ranks)))
     log(f"--pipeline-model-parallel-layout auto: {layout} (predicted with {source}: {stages}; "
         f"{result['iteration_s'] * 1e3:.1f} ms per iteration)")
     return layout

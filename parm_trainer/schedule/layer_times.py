@@ -181,3 +181,45 @@ def measured_layer_times(args, log=print) -> dict:
     log(f"layer times for the stage builder, forward+backward ms per micro-batch: {times} "
         f"({source})")
     return {**entry, "source": f"layer times {source}"}
+
+
+ONE_RANK = dict(tensor_model_parallel_size=1, expert_model_parallel_size=1,
+                expert_tensor_parallel_size=1, pipeline_model_parallel_size=1,
+                sequence_parallel=False, world_size=1)
+
+
+def one_rank_layer_times(args, log=print) -> dict:
+    """measured_layer_times for a process of no ranks (tools/plan_layout.py): on a one-rank
+    gloo group of its own under TP = EP = 1 (megatron's groups too, unless they are up), gone
+    afterwards, on one CPU thread as a rank under torchrun; an MoE schedule or depth left to
+    auto runs as s1 at depth 1 (at EP 1 nothing is exchanged)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from parm_trainer.compat import cpu
+    from parm_trainer.parallel import reset_model_parallel
+
+    trial = copy.copy(args)
+    for name, value in ONE_RANK.items():
+        setattr(trial, name, value)
+    if trial.moe_parm_schedule == "auto":
+        trial.moe_parm_schedule = "s1"
+    trial.moe_parm_chunks = trial.moe_parm_chunks or 1
+    cpu.apply()
+    threads = torch.get_num_threads()
+    if not torch.cuda.is_available():  # as a rank computes: torchrun's one thread per rank
+        torch.set_num_threads(1)
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    groups = not parallel_state.model_parallel_is_initialized()
+    if groups:
+        parallel_state.initialize_model_parallel()
+    try:
+        return measured_layer_times(trial, log)
+    finally:
+        torch.set_num_threads(threads)
+        if groups:
+            reset_model_parallel()
+        if created:
+            dist.destroy_process_group()

@@ -45,9 +45,11 @@ SHAPE_FLAGS = (  # the model as its pieces run it: the cache key's model part
 
 
 def wanted(args) -> bool:
-    """Whether start-up measures the pieces: --pipeline-model-parallel-layout auto, no cost
-    profile, a GPT (BERT's heads are not these pieces: it keeps the profile's prices)."""
+    """Whether start-up measures the pieces: --pipeline-model-parallel-layout auto over
+    several stages, no cost profile, a GPT (BERT's heads are not these pieces: it keeps the
+    profile's prices)."""
     return (getattr(args, "pipeline_model_parallel_layout", None) == "auto"
+            and args.pipeline_model_parallel_size > 1
             and not getattr(args, "moe_parm_cost_profile", None)
             and not hasattr(args, "bert_binary_head"))
 

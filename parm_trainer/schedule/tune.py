@@ -260,17 +260,23 @@ def max_over_ranks(figures: list) -> list:
 def timing_layers(args):
     """Around timed passes of MoE layers built outside the model: the aux loss's backward
     scale at 1, megatron's RNG tracker seeded; afterwards the aux losses the passes logged
-    dropped and the scale as it was (the training's own passes start clean)."""
+    dropped, entries they opened removed (megatron sizes an entry by the first layer count it
+    sees: a model of fewer layers than the run's would leave one too short), and the scale as
+    it was (the training's own passes start clean)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    before = set(tracker)
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     model_parallel_cuda_manual_seed(args.seed)
     try:
         yield
     finally:
+        for name in set(tracker) - before:
+            del tracker[name]
         moe_utils.clear_aux_losses_tracker()
         MoEAuxLossAutoScaler.main_loss_backward_scale = scale
 

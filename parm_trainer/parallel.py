@@ -65,6 +65,12 @@ _SUBGROUPS: dict = {}
 _RECORDED: dict = {}  # of this run's layout, what the group sizes do not say
 
 
+def record_stages(stages) -> None:
+    """The stages' layout string to record (as initialize_distributed's stages), for a layout
+    chosen once the groups exist (the stage builder's measured default path)."""
+    _RECORDED["stages"] = stages
+
+
 def recorded_pipeline_stages():
     """The stages' layout string where it is not megatron's even split (else None): part of the
     layout a checkpoint records, since the distributed optimizer's dp_reshardable state and the

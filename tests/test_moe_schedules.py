@@ -190,16 +190,16 @@ def test_tune_cache_survives_a_corrupt_file(tmp_path):
     from parm_trainer.schedule import tune
 
     path = tmp_path / "sub" / "tune.json"
-    assert tune._read(str(path), "k") is None  # missing
-    tune._write(str(path), "k", {"choice": ["s1", 2, True],
+    assert tune.read_cached(str(path), "k") is None  # missing
+    tune.write_cached(str(path), "k", {"choice": ["s1", 2, True],
                                  "measured_ms": {"s1 r=2 local first": 1.0}})
-    assert tune._read(str(path), "k")["choice"] == ["s1", 2, True]
+    assert tune.read_cached(str(path), "k")["choice"] == ["s1", 2, True]
     path.write_text("{not json")
-    assert tune._read(str(path), "k") is None
-    tune._write(str(path), "k2", {"choice": ["s2", 1, False], "measured_ms": {}})  # rewritten whole
-    assert tune._read(str(path), "k2")["choice"] == ["s2", 1, False]
-    tune._write(str(path), "k3", {"choice": ["s2", 1], "measured_ms": {}})  # an older entry
-    assert tune._read(str(path), "k3") is None
+    assert tune.read_cached(str(path), "k") is None
+    tune.write_cached(str(path), "k2", {"choice": ["s2", 1, False], "measured_ms": {}})  # rewritten whole
+    assert tune.read_cached(str(path), "k2")["choice"] == ["s2", 1, False]
+    tune.write_cached(str(path), "k3", {"choice": ["s2", 1], "measured_ms": {}})  # an older entry
+    assert tune.read_cached(str(path), "k3") is None
     assert not list(path.parent.glob("*.tmp*"))
 
 
@@ -215,7 +215,7 @@ def test_tune_cache_keeps_every_entry_of_jobs_writing_at_once(tmp_path):
 
     def writer(name):
         for i in range(40):
-            tune._write(path, f"{name}{i}", {"choice": ["s1", 1, False], "measured_ms": {}})
+            tune.write_cached(path, f"{name}{i}", {"choice": ["s1", 1, False], "measured_ms": {}})
 
     jobs = [multiprocessing.get_context("fork").Process(target=writer, args=(n,)) for n in "ab"]
     for job in jobs:
@@ -223,13 +223,13 @@ def test_tune_cache_keeps_every_entry_of_jobs_writing_at_once(tmp_path):
     for job in jobs:
         job.join()
     assert [job.exitcode for job in jobs] == [0, 0]
-    missing = [f"{n}{i}" for n in "ab" for i in range(40) if tune._read(path, f"{n}{i}") is None]
+    missing = [f"{n}{i}" for n in "ab" for i in range(40) if tune.read_cached(path, f"{n}{i}") is None]
     assert not missing, missing
     # a job that measured a layer another job cached meanwhile gets (and uses) that one's entry
-    theirs = tune._read(path, "a0")
+    theirs = tune.read_cached(path, "a0")
     mine = {"choice": ["s2", 4, False], "measured_ms": {"s2 r=4": 1.0}}
-    assert tune._write(path, "a0", mine) == theirs and tune._read(path, "a0") == theirs
-    assert tune._write(path, "new", mine) is mine
+    assert tune.write_cached(path, "a0", mine) == theirs and tune.read_cached(path, "a0") == theirs
+    assert tune.write_cached(path, "new", mine) is mine
 
 
 def test_tune_times_the_candidates_in_interleaved_rounds():

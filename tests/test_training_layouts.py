@@ -46,8 +46,10 @@ LAYOUTS = {
     "tp2_esp1": (2, {"tensor-model-parallel-size": 2, "expert-tensor-parallel-size": 1,
                      "sequence-parallel": True, "use-distributed-optimizer": True,
                      "memory-probe": True}),
+    # the stages chosen by the stage builder on its default path: the pieces measured at
+    # start-up (schedule/layer_times.py), any split training the same model
     "pp2": (2, {"pipeline-model-parallel-size": 2, "timing-log-level": 2,
-                "timing-log-option": "max"}),
+                "timing-log-option": "max", "pipeline-model-parallel-layout": "auto"}),
 }
 
 
@@ -62,8 +64,13 @@ def reference(gpt_data, tmp_path_factory):
 def test_first_five_losses_match_single_rank(layout, reference, gpt_data, tmp_path):
     nproc, flags = LAYOUTS[layout]
     extra = {"tensorboard-dir": tmp_path / "tensorboard"} if "timing-log-level" in flags else {}
+    auto = flags.get("pipeline-model-parallel-layout") == "auto"
+    if auto:  # measured here, not read from the session's cache
+        extra["moe-parm-tune-cache"] = tmp_path / "tune.json"
     run = launch(nproc, tiny_gpt_args(gpt_data, **flags, **extra), tmp_path)
     assert_trains_like(run, reference)
+    if auto:
+        check_measured_stages(run.output, tmp_path / "tune.json")
     if "memory-probe" in flags:
         assert_memory_as_estimated(run, stages=1)
     if "ranks-per-node" in flags:  # the relay ran: its in-node hop's groups were built
@@ -187,6 +194,22 @@ def check_plots(run_dir, run):
             assert row == pytest.approx([c / sum(want) for c in want])
     iteration, moe = plots.step_breakdown(scalars)
     assert set(iteration) == set(plots.ITERATION_TIMERS) and sorted(moe) == [1, 2]
+
+
+def check_measured_stages(output: str, cache) -> None:
+    """--pipeline-model-parallel-layout auto with no profile: the pieces measured once the
+    groups are up, cached, and the split they priced is the one the run built."""
+    lines = output.splitlines()
+    said = [line for line in lines if line.startswith("layer times for the stage builder")]
+    assert len(said) == 1 and "(measured now in " in said[0] and f"cached in {cache})" in \
+        said[0], output[-4000:]
+    assert all(f" {kind} " in said[0] for kind in "EmL"), said[0]  # two MoE layers: no t
+    (chosen,) = [line for line in lines
+                 if line.startswith("--pipeline-model-parallel-layout auto: ")]
+    layout = chosen.split()[2]
+    assert "(predicted with layer times measured now in" in chosen, chosen
+    assert f"pipeline layout {layout} (2 stages)" in lines, output[-4000:]
+    assert lines.index(said[0]) < lines.index(chosen)
 
 
 def check_timing_report(output: str, flags: dict) -> None:

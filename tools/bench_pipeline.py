@@ -3,7 +3,9 @@
 Training speed of pretrain_gpt_moe.py under pipeline stage layouts, end to end, side by side:
 "even" is megatron's even split of the decoder layers (no stage flag), "auto"
 --pipeline-model-parallel-layout auto (the stage builder, parm_trainer/planning/), any other
-row a layout string given as is ("Etttttttt|L"). The runs alternate (A, B, then B, A, ...), and
+row a layout string given as is ("Etttttttt|L"); without --profile auto prices the pieces by
+their seconds measured at start-up (cached after the first run; each auto run's line says
+which). The runs alternate (A, B, then B, A, ...), and
 each row's figure is the median over its --runs runs of the mean ms/iter of the logged
 intervals after the first; "x first" is the first row's ms/iter over this row's (> 1: faster).
 
@@ -44,6 +46,7 @@ MODEL = ["--num-layers", "8", "--hidden-size", "128", "--num-attention-heads", "
          "--lr", "1e-3", "--lr-warmup-iters", "0", "--seed", "1234", "--split", "969,30,1",
          "--eval-iters", "0", "--tokenizer-type", "SentencePieceTokenizer"]
 STAGES = re.compile(r"^pipeline layout (\S+) \(", re.M)
+MEASURED = re.compile(r"^layer times for the stage builder.*\((.*)\)$", re.M)
 
 
 def layout_flags(row: str) -> list:
@@ -130,8 +133,11 @@ def main(argv=None) -> int:
             runs[row].append({"ms_per_iter": run_figure(rows), "intervals": rows,
                               "tokens_per_iter": rows[-1][1] * rows[-1][2] / 1e3,
                               "layout": chosen.group(1) if chosen else None})
+            measured = MEASURED.search(output)  # auto with no profile: the pieces' source
+            runs[row][-1]["layer_times"] = measured.group(1) if measured else None
             print(f"run {r + 1}/{args.runs} {row:<12} {runs[row][-1]['ms_per_iter']:8.1f} ms/iter"
-                  f" ({runs[row][-1]['layout']})", flush=True)
+                  f" ({runs[row][-1]['layout']}" + (f"; layer times {measured.group(1)}"
+                                                    if measured else "") + ")", flush=True)
     print(f"\n{'layout':<14}{'stages':<18}{'ms/iter':>10}{'tokens/s':>10}{'x first':>9}  runs")
     summary, first = {}, None
     for row, results in runs.items():

@@ -302,5 +302,9 @@ def load_profile(args) -> Profile:
 
 
 def profile_source(args, profile: Profile) -> str:
-    """How the log names the profile a prediction used."""
-    return args.moe_parm_cost_profile or f"the built-in default profile ({profile.description})"
+    """How the log names the profile a prediction used (and, with no profile given, the
+    measured layer times that priced the pieces: schedule/layer_times.py)."""
+    given = args.moe_parm_cost_profile
+    base = given or f"the built-in default profile ({profile.description})"
+    times = getattr(args, "layer_times", None)
+    return f"{times['source']}, communication from {base}" if times and not given else base

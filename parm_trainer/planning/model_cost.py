@@ -16,11 +16,12 @@ A model is a sequence of pieces, each priced forward and backward per micro-batc
        about 4 passes over n*V/T logits, three AllReduces of n values over MP)
 
 n = micro-batch x sequence tokens, T = MP size; backward: twice the GEMMs and the traffic, the
-collectives' duals. Memory per rank: parameters (dense / T, experts / (EP x ESP)), their fp32
-gradients and Adam state (12 bytes per parameter, over DP with the distributed optimizer; plus
-a 4-byte fp32 copy under bf16), and the activations autograd saves per micro-batch, counted
-from what this stack's modules keep (measured with torch.autograd.graph.saved_tensors_hooks on
-the local spec; see activations()).
+collectives' duals. With args.layer_times (the pieces measured on this machine) those seconds
+replace the compute prices (measured_cost.py). Memory per rank: parameters (dense / T,
+experts / (EP x ESP)), their fp32 gradients and Adam state (12 bytes per parameter, over DP
+with the distributed optimizer; plus a 4-byte fp32 copy under bf16), and the activations
+autograd saves per micro-batch, counted from what this stack's modules keep (measured with
+torch.autograd.graph.saved_tensors_hooks on the local spec; see activations()).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from parm_trainer.moe.cost_profile import Profile
 from parm_trainer.moe.grouped_experts import applies_to_run
 from parm_trainer.moe.link_sharing import link_flows
 from parm_trainer.planning import recompute_cost
+from parm_trainer.planning.measured_cost import priced_with_times
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class Piece:
     expert_params: float  # of which in experts (reduced over the expert-DP group)
     activation_bytes: float  # saved for the backward, per micro-batch
     recompute_bytes: float = 0.0  # alive again while its recomputed parts' backward runs
+    recompute_s: float = 0.0  # of backward_s: selective recompute's forward again
 
     @property
     def total_s(self) -> float:
@@ -78,6 +81,11 @@ class ModelCost:
         self.vocab = getattr(a, "padded_vocab_size", None) or getattr(a, "vocab_size", 32000)
         self.moe_schedule = moe_schedule  # (name, chunks); None: the cheaper of s1/s2, r 1..8
         self.moe_choice = None  # what moe_mlp picked: (name, "rN")
+        # the pieces' seconds measured on this machine (schedule/layer_times.py), if any; a
+        # profile given wins
+        self.layer_times = None if getattr(a, "moe_parm_cost_profile", None) else \
+            getattr(a, "layer_times", None)
+        self.time_factor = 1.0
 
     # --- primitives ----------------------------------------------------------------------------
     def coll(self, kind: str, nbytes: float, size: int, stride: int = 1,
@@ -269,14 +277,14 @@ class ModelCost:
         kind = "m" if moe else "t"
         if not moe:
             mf, mb, mlp_params = self.mlp()
-            mb += recompute_cost.selective_s(self, moe)  # recomputed parts' forward again
-            return Piece(kind, af + mf, ab + mb, attn_params + mlp_params, 0.0,
-                         self.activations(kind), self.recomputed(kind))
+            again = recompute_cost.selective_s(self, moe)  # recomputed parts' forward again
+            return Piece(kind, af + mf, ab + mb + again, attn_params + mlp_params, 0.0,
+                         self.activations(kind), self.recomputed(kind), again)
         mf, mb, experts, router = self.moe_mlp()
-        mb += recompute_cost.selective_s(self, moe)
-        return Piece(kind, af + mf, ab + mb, attn_params + experts + router +
+        again = recompute_cost.selective_s(self, moe)
+        return Piece(kind, af + mf, ab + mb + again, attn_params + experts + router +
                      self.args.hidden_size, experts, self.activations(kind),
-                     self.recomputed(kind))
+                     self.recomputed(kind), again)
 
     def head(self) -> Piece:
         n, M, V, T = self.n, self.args.hidden_size, self.vocab, self.tp
@@ -296,7 +304,8 @@ class ModelCost:
             if m not in cache:
                 cache[m] = self.layer(m)
         layers = [cache[m] for m in moe]
-        return [self.embedding(), *layers, self.head()]
+        pieces = [self.embedding(), *layers, self.head()]
+        return priced_with_times(self, pieces) if self.layer_times else pieces
 
     # --- per stage --------------------------------------------------------------------------
     def scaled(self, factor: float) -> "ModelCost":
@@ -306,7 +315,9 @@ class ModelCost:
             return self
         schedule = self.moe_schedule or (self.moe_choice and
                                          (self.moe_choice[0], int(self.moe_choice[1][1:])))
-        return ModelCost(self.args, self.profile.scaled_compute(factor), schedule)
+        scaled = ModelCost(self.args, self.profile.scaled_compute(factor), schedule)
+        scaled.time_factor = self.time_factor * factor
+        return scaled
 
     def stage_pairs(self, a: int, b: int) -> list:
         """The rank pairs of pipeline ranks a and b (each position in the stage), which

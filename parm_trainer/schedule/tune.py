@@ -20,6 +20,7 @@ says which path was taken.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fcntl
 import json
@@ -53,15 +54,21 @@ def cache_path(args) -> str | None:
     return os.path.join(root, "moe_tune.json")
 
 
-def _key(args, candidates) -> str:
+def cluster_key(args) -> dict:
+    """The cluster part of a cache key: world size, ranks per node, backend, device, host
+    names (collective: every rank calls it)."""
     world = torch.distributed.get_world_size()
     hosts = [None] * world
     torch.distributed.all_gather_object(hosts, socket.gethostname())
     device = (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    return {"world": world, "per_node": node_relay.ranks_per_node(args),
+            "backend": torch.distributed.get_backend(), "device": device,
+            "hosts": sorted(set(hosts))}
+
+
+def _key(args, candidates) -> str:
     return json.dumps({
-        "world": world, "per_node": node_relay.ranks_per_node(args),
-        "backend": torch.distributed.get_backend(), "device": device,
-        "hosts": sorted(set(hosts)),
+        **cluster_key(args),
         "layout": [args.tensor_model_parallel_size, args.expert_model_parallel_size,
                    args.expert_tensor_parallel_size, args.pipeline_model_parallel_size,
                    bool(args.sequence_parallel)],
@@ -83,16 +90,17 @@ def _valid(entry) -> bool:
         len(entry["choice"]) == 3 and isinstance(entry.get("measured_ms"), dict)
 
 
-def _read(path, key):
+def read_cached(path, key, valid=_valid):
+    """The cache file's entry for key, or None (no file, no entry, or one `valid` refuses)."""
     try:
         with open(path) as f:
             entry = json.load(f).get(key)
     except (OSError, ValueError, AttributeError):
         return None
-    return entry if _valid(entry) else None
+    return entry if valid(entry) else None
 
 
-def _write(path, key, entry) -> dict:
+def write_cached(path, key, entry, valid=_valid) -> dict:
     """Add the entry to the cache file and return the entry the file holds for the key: jobs
     that share the file (two on one machine) take turns under a lock on a file beside it, so
     neither drops the other's entry, and where another job measured the same layer meanwhile,
@@ -107,7 +115,7 @@ def _write(path, key, entry) -> dict:
                 table = {}
         except (OSError, ValueError):
             table = {}
-        if _valid(table.get(key)):
+        if valid(table.get(key)):
             return table[key]
         table[key] = entry
         tmp = f"{path}.tmp{os.getpid()}"
@@ -117,7 +125,7 @@ def _write(path, key, entry) -> dict:
     return entry
 
 
-def _sync():
+def sync_device():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -214,16 +222,9 @@ def _measure(args, candidates) -> tuple:
     interleaved passes (and a run-off's, measured_seconds) on random tokens of the real shape
     on the real process groups, max over ranks (so every rank makes the same choice); and the
     run-off's two candidates, or ()."""
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.moe import moe_utils
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
     from parm_trainer.models.config import transformer_config
 
     config = transformer_config(args)
-    scale = MoEAuxLossAutoScaler.main_loss_backward_scale
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
-    model_parallel_cuda_manual_seed(args.seed)
     device = torch.device(rank_device())
     layers = _layers(args, config, [name for name, *_ in candidates], device)
     seq = args.seq_length // (args.tensor_model_parallel_size if args.sequence_parallel else 1)
@@ -242,17 +243,40 @@ def _measure(args, candidates) -> tuple:
         start = time.perf_counter()
         out, _ = layer(x_i)
         out.backward(torch.ones_like(out))
-        _sync()
+        sync_device()
         return time.perf_counter() - start
 
-    try:
-        def max_over_ranks(medians):
-            seconds = torch.tensor(medians, dtype=torch.float64, device=device)
-            torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
-            return seconds.tolist()
+    return measured_seconds(list(candidates), run, max_over_ranks)
 
-        return measured_seconds(list(candidates), run, max_over_ranks)
+
+def max_over_ranks(figures: list) -> list:
+    """Each figure's largest value over the ranks (every rank then makes the same choice)."""
+    seconds = torch.tensor(figures, dtype=torch.float64, device=torch.device(rank_device()))
+    torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
+    return seconds.tolist()
+
+
+@contextlib.contextmanager
+def timing_layers(args):
+    """Around timed passes of MoE layers built outside the model: the aux loss's backward
+    scale at 1, megatron's RNG tracker seeded; afterwards the aux losses the passes logged
+    dropped, entries they opened removed (megatron sizes an entry by the first layer count it
+    sees: a model of fewer layers than the run's would leave one too short), and the scale as
+    it was (the training's own passes start clean)."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    before = set(tracker)
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    model_parallel_cuda_manual_seed(args.seed)
+    try:
+        yield
     finally:
+        for name in set(tracker) - before:
+            del tracker[name]
         moe_utils.clear_aux_losses_tracker()
         MoEAuxLossAutoScaler.main_loss_backward_scale = scale
 
@@ -290,7 +314,8 @@ def _measure_overlap(args, best) -> dict:
     exchange, timed as the candidates are: {"shared_overlap": the faster is overlapped,
     "shared_overlap_ms": [before, overlapped]}."""
     pair = [(*best, False), (*best, True)]
-    seconds, _ = _measure(args, pair)
+    with timing_layers(args):
+        seconds, _ = _measure(args, pair)
     before, overlapped = (seconds[c] for c in pair)
     return {"shared_overlap": overlapped < before,
             "shared_overlap_ms": [round(before * 1e3, 3), round(overlapped * 1e3, 3)]}
@@ -309,12 +334,13 @@ def tune_at_startup(args, log=print) -> None:
                          f"{args.moe_parm_tune_candidates} can run this layout")
     key, path = _key(args, candidates), cache_path(args)
     rank0 = torch.distributed.get_rank() == 0
-    cached = [_read(path, key) if rank0 and path else None]
+    cached = [read_cached(path, key) if rank0 and path else None]
     torch.distributed.broadcast_object_list(cached, src=0)
     entry, source = cached[0], f"cached in {path}"
     if entry is None:
         start = time.perf_counter()
-        measured, run_off = _measure(args, candidates)
+        with timing_layers(args):
+            measured, run_off = _measure(args, candidates)
         best = min(measured, key=measured.get)
         entry = {"choice": list(best), "measured_ms": {label(*c): round(s * 1e3, 3)
                                                      for c, s in measured.items()},
@@ -325,7 +351,7 @@ def tune_at_startup(args, log=print) -> None:
         source = f"measured at start-up in {time.perf_counter() - start:.1f} s"
         if rank0 and path:
             try:
-                mine, entry = entry, _write(path, key, entry)
+                mine, entry = entry, write_cached(path, key, entry)
                 source += (f", cached in {path}" if entry is mine else
                            f"; another job cached its own measurement in {path} meanwhile, "
                            "which is used")

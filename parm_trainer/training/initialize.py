@@ -3,6 +3,10 @@ one-line errors for bad input.
 
 Checks that need no communication (layout, files) run before torch.distributed starts, on every
 rank, so bad input ends every rank at once instead of hanging in a collective.
+--pipeline-model-parallel-layout auto with no cost profile is split twice: before, priced by
+the built-in profile (a split that cannot fit the memory limit is refused there), and, once the
+groups exist and the MoE schedule is settled, by the model's pieces measured on them
+(schedule/layer_times.py): that split is the run's.
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ from parm_trainer.compat import cpu, cpu_allocator
 from parm_trainer.data.tokenizer import check_tokenizer_flags, tokenizer_from_args
 from parm_trainer.errors import USER_ERRORS, InputError, LayoutError
 from parm_trainer.models.config import padded_vocab_size
-from parm_trainer.parallel import initialize_distributed
+from parm_trainer.parallel import initialize_distributed, record_stages
 from parm_trainer.planning import layout as pipeline_layout
+from parm_trainer.planning import recompute_choice
 from parm_trainer.planning.checks import validate_layout
+from parm_trainer.schedule import layer_times
 from parm_trainer.schedule.auto import resolve_auto_schedule
 from parm_trainer.schedule.tune import tune_at_startup
 from parm_trainer.training import checkpoint_args, faults, watchdog
@@ -71,11 +77,14 @@ def initialize(argv=None, extra_args_provider=None, check_inputs=None):
     args.padded_vocab_size = padded_vocab_size(args.tokenizer.vocab_size,
                                                args.tensor_model_parallel_size,
                                                args.make_vocab_size_divisible_by)
-    pipeline_layout.resolve_auto(args, _print_rank_0)  # needs the vocabulary's size
-    if args.pipeline_model_parallel_size > 1:
-        for line in pipeline_layout.describe(args):
-            _print_rank_0(line)
-    report_memory(args)
+    measured = layer_times.wanted(args)  # auto stages priced by measured pieces, later
+    if measured:  # a split priced by the profile for now: one that cannot fit ends here
+        wanted = args.num_virtual_stages_per_pipeline_rank
+        given = {name: getattr(args, name, None) for name in recompute_choice.FIELDS}
+        pipeline_layout.resolve_auto(args, lambda line: None)
+        vars(args).update(given)  # a recompute it chose is chosen again, on measured prices
+    else:
+        _settle_stages(args)
     if check_inputs is not None:
         check_inputs(args)
     cpu.apply()
@@ -85,7 +94,24 @@ def initialize(argv=None, extra_args_provider=None, check_inputs=None):
     _report_relay()
     _report_groups(args)
     tune_at_startup(args, log=_print_rank_0)
+    if measured:  # the pieces measured on the groups, with the MoE schedule settled
+        args.layer_times = layer_times.measured_layer_times(args, log=_print_rank_0)
+        args.pipeline_model_parallel_layout = "auto"
+        args.num_virtual_stages_per_pipeline_rank = wanted
+        pipeline_layout.check_pipeline(args)
+        _settle_stages(args)
+        record_stages(pipeline_layout.recorded_stages(args))
     return args
+
+
+def _settle_stages(args) -> None:
+    """--pipeline-model-parallel-layout auto's split (needs the vocabulary's size), the stages'
+    lines, the memory estimate."""
+    pipeline_layout.resolve_auto(args, _print_rank_0)
+    if args.pipeline_model_parallel_size > 1:
+        for line in pipeline_layout.describe(args):
+            _print_rank_0(line)
+    report_memory(args)
 
 
 def _report_modules(args) -> None:

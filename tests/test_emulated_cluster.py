@@ -42,11 +42,11 @@ def _leftovers(tag_prefix="pt"):
     return ours
 
 
-def emulated(command, tmp_path, *flags, timeout=300, grace=10):
+def emulated(command, tmp_path, *flags, timeout=300):
     before = set(_leftovers())
     run = subprocess.run([sys.executable, str(TOOL), "--nodes", "2", "--procs-per-node", "2",
                           "--log-dir", str(tmp_path / "logs"), "--master-port", str(free_port()),
-                          "--grace", str(grace), *flags, "--", *command],
+                          "--grace", "10", *flags, "--", *command],
                          cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
     return run, sorted(set(_leftovers()) - before)
@@ -135,10 +135,8 @@ def test_failing_command_leaves_nothing_behind(tmp_path):
         "    show = 'sysctl -n net.ipv4.tcp_congestion_control net.ipv4.tcp_slow_start_after_idle;'\n"
         "    print(subprocess.run(show + ' tc qdisc show', shell=True, capture_output=True,\n"
         "                         text=True).stdout, flush=True)\n")
-    # node 0's rank prints and ends at once, and its torchrun then waits for node 1's at the
-    # exit barrier until the tool stops it: a short --grace
     run, left = emulated([str(script)], tmp_path, "--inter-node-bandwidth", "200mbit",
-                         timeout=120, grace=3)
+                         timeout=120)
     assert run.returncode != 0
     assert "node 1 exited" in run.stderr
     assert left == [], left

@@ -9,26 +9,22 @@ the points it reports (recomputed here), with each fit's r^2. No timing is asser
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import python
 from parm_trainer.bench.calibration import collectives, fit
 from parm_trainer.moe.cost_profile import KINDS, Profile
 
 
 def test_two_rank_calibration_writes_loadable_profile(tmp_path):
     out = tmp_path / "profile.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(
-        [sys.executable, "tools/calibrate_comm.py", "--nproc", "2",
-         "--sizes", "4096,65536,524288", "--repeats", "3", "--warmup", "1",
-         "--output", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    # the tool's own process forked from the tests' server (conftest.python), its 2 ranks
+    # started by its --nproc (torchrun); one call per timed sample (--calls 1)
+    result = python("tools/calibrate_comm.py", "--nproc", "2", "--sizes", "4096,65536,524288",
+                    "--repeats", "3", "--warmup", "1", "--calls", "1", "--output", out,
+                    env={"OMP_NUM_THREADS": "1"}, timeout=120)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
 
     profile = Profile.from_json(str(out))

@@ -95,14 +95,16 @@ def test_two_nodes_train_like_one_and_survive_a_failed_link(gpt_data, tmp_path):
 @pytest.mark.parametrize("repeat", range(int(os.environ.get("PARM_STOP_REPEATS", "1"))))
 def test_a_node_stopped_from_outside_ends_the_job_with_one_line(gpt_data, tmp_path, repeat):
     """Node 1's ranks (2 and 3) stopped with SIGSTOP from outside after a random iteration
-    (TP2 x EP2 x ESP2 + SP, saving every 4, --distributed-timeout-minutes 0.5): node 0's
-    watchdog names them at 24 s, node 1's launcher ends them (SIGKILL) when they have been
+    (TP2 x EP2 x ESP2 + SP, saving every 4, --distributed-timeout-minutes 0.5 and
+    --watchdog-timeout-minutes 0.25): node 0's watchdog names them at 15 s, before gloo's own
+    30 s; node 1's launcher ends them (SIGKILL) when they have been
     stopped for longer than the watchdog's limit; every rank ends within 40 s, one error line
     in the whole job, no traceback."""
     after = random.Random().randint(2, 9)
     flags = {"tensor-model-parallel-size": 2, "expert-model-parallel-size": 2,
              "expert-tensor-parallel-size": 2, "sequence-parallel": True, "train-iters": 60,
-             "save-interval": 4, "distributed-timeout-minutes": 0.5, "log-interval": 1}
+             "save-interval": 4, "distributed-timeout-minutes": 0.5,
+             "watchdog-timeout-minutes": 0.25, "log-interval": 1}
     command = ["pretrain_gpt_moe.py", *tiny_gpt_args(gpt_data, **flags, save=tmp_path / "c")]
     start = time.monotonic()
     run, left = emulated(command, tmp_path, "--inter-node-bandwidth", "200mbit",

@@ -27,7 +27,8 @@ MOE = {"expert-model-parallel-size": 2, "log-interval": 1}
 REPEATS = int(os.environ.get("PARM_STOP_REPEATS", "1"))
 STOP_LAYOUT = {"tensor-model-parallel-size": 2, "expert-model-parallel-size": 2,
                "expert-tensor-parallel-size": 2, "sequence-parallel": True, "log-interval": 1,
-               "train-iters": 60, "save-interval": 4, "distributed-timeout-minutes": 0.5}
+               "train-iters": 60, "save-interval": 4, "distributed-timeout-minutes": 0.5,
+               "watchdog-timeout-minutes": 0.25}
 
 
 def assert_ended_by_the_watchdog(output, seconds, stopped_ranks):
@@ -45,7 +46,8 @@ def assert_ended_by_the_watchdog(output, seconds, stopped_ranks):
 @pytest.mark.parametrize("repeat", range(REPEATS))
 def test_a_rank_stopped_from_outside_ends_the_job_with_one_line(gpt_data, tmp_path, repeat):
     """SIGSTOP from outside to one rank of 4 (TP2 x EP2 + SP, saving every 4 iterations,
-    --distributed-timeout-minutes 0.5: the watchdog fires at 24 s, before gloo's own 30 s), at
+    --watchdog-timeout-minutes 0.25: the watchdog fires at 15 s, before gloo's own 30 s of
+    --distributed-timeout-minutes 0.5; the default limit: the next test), at
     a random moment after a random iteration (forward, backward, the optimizer or a save):
     scripts/launch.sh ends every rank, the stopped one with SIGKILL, within 40 s."""
     rng = random.Random()
@@ -71,6 +73,20 @@ def test_a_rank_stopped_from_outside_ends_the_job_with_one_line(gpt_data, tmp_pa
 
 
 PHASES = ("write", "rename", "renamed", "tracker")
+
+
+def test_the_watchdog_fires_before_the_collectives_timeout():
+    """Without --watchdog-timeout-minutes the watchdog's limit is BEFORE_TIMEOUT (0.8) of
+    --distributed-timeout-minutes, so that it names a stopped rank before a collective gives up
+    with a bare timeout; a longer watchdog limit is cut to that, a shorter one kept (what the
+    stop tests set, to end sooner)."""
+    from parm_trainer.arguments import parse_args
+    from parm_trainer.training.watchdog import limit_s
+
+    for watchdog, limit in ((None, 24.0), ("1", 24.0), ("0.25", 15.0)):
+        flags = ["--distributed-timeout-minutes", "0.5"]
+        flags += ["--watchdog-timeout-minutes", watchdog] if watchdog else []
+        assert limit_s(parse_args(flags, world_size=1)) == limit, (watchdog, limit)
 
 
 def test_save_killed_at_any_phase_keeps_the_previous_checkpoint(gpt_data, tmp_path):

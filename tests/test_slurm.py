@@ -85,10 +85,6 @@ def test_batch_scripts_train_requeue_and_refuse(gpt_data, bert_data, tmp_path):
 
     before = _ours()
     gpt, bert = _settings(gpt_data, tmp_path / "gpt"), _settings(bert_data, tmp_path / "bert")
-    expected_gpt = _reference("train_gpt_moe.sh", {**gpt, "RUN_DIR": str(tmp_path / "ref_gpt")},
-                              tmp_path / "ref_gpt.json", tmp_path)
-    expected_bert = _reference("train_bert_moe.sh", {**bert, "RUN_DIR": str(tmp_path / "ref_b")},
-                               tmp_path / "ref_bert.json", tmp_path)
     nodes = ("--nodes", "2", "--gpus-per-node", "2")
     tag = f"ps{os.getpid() % 10000}"
     with Cluster(2, "1gbit", tag=tag) as cluster, \
@@ -99,6 +95,11 @@ def test_batch_scripts_train_requeue_and_refuse(gpt_data, bert_data, tmp_path):
                       extra=("--log-losses-json", str(losses)))
         _wait_for_text(out, "iteration      6/", timeout=120)
         assert slurm.kill_ranks(1, "pretrain_gpt_moe.py"), "no rank of node 1 found"
+        # the references, on this machine, while slurm requeues the job (a wait of seconds)
+        expected_gpt = _reference("train_gpt_moe.sh", {**gpt, "RUN_DIR": str(tmp_path / "rg")},
+                                  tmp_path / "ref_gpt.json", tmp_path)
+        expected_bert = _reference("train_bert_moe.sh", {**bert, "RUN_DIR": str(tmp_path / "rb")},
+                                   tmp_path / "ref_bert.json", tmp_path)
         record = slurm.wait_job(job, timeout=180)
         log = out.read_text()
         assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", (record, log[-3000:])

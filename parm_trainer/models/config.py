@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from parm_trainer import mla_flags, moe_flags
+from parm_trainer import mla_flags, moe_flags, mtp_flags
 from parm_trainer.layer_pattern import moe_layer_pattern
 
 
@@ -82,6 +82,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         persist_layer_norm=False,
         **mla,
         **moe,
+        **mtp_flags.config_fields(args),
     )
 
 

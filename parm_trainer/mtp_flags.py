@@ -55,6 +55,12 @@ def problem(args) -> Optional[str]:
     if args.position_embedding_type != "rope":  # Megatron-LM's validate_args asserts it
         return (f"{FLAG} {n} needs --position-embedding-type rope (Megatron-LM takes MTP with "
                 f"rope or no position embedding only)")
+    if args.pipeline_model_parallel_size > 1 and not args.untie_embeddings_and_output_weights:
+        # the MTP stage keeps its own output layer weight beside the embedding copy, which
+        # megatron-core's sharded_state_dict asserts against (language_module.py)
+        return (f"{FLAG} {n} with --pipeline-model-parallel-size > 1 needs "
+                f"--untie-embeddings-and-output-weights (megatron-core cannot tie the output "
+                f"layer on the MTP stage)")
     if (getattr(args, "recompute_granularity", None) == "full"
             and getattr(args, "recompute_method", None) == "uniform"
             and (getattr(args, "recompute_num_layers", None) or 1) != 1):

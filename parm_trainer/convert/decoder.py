@@ -59,6 +59,9 @@ def check_exportable(args: dict) -> None:
     if not args.get("num_experts"):
         raise NotExportable(f"the model has no MoE layers (--num-experts): each of "
                             f"{CLASSES} needs them")
+    if args.get("mtp_num_layers"):  # DeepSeek-V3's num_nextn_predict_layers: not mapped yet
+        raise NotExportable(f"--mtp-num-layers {args['mtp_num_layers']}: the multi-token "
+                            f"prediction layers do not export yet")
     for flag, (needed, fix) in REQUIRED.items():
         if args.get(flag) != needed:
             raise NotExportable(

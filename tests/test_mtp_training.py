@@ -1,6 +1,7 @@
 """Training with multi-token prediction (--mtp-num-layers 2) on 4 ranks, PP2 x EP2: Parm's
 default schedule (auto) against megatron-core's own dispatcher (the same losses, the MTP
-losses of the log line included), then a resume of the checkpoint under PP2 x DP2 (experts not split)."""
+losses of the log line included), then a resume of the checkpoint under TP2 x EP2 (no pipeline:
+the MTP layers move from the second stage's ranks to every rank, and are split over TP)."""
 
 import pytest
 
@@ -40,19 +41,17 @@ def test_mtp_trains_alike_under_parm_and_megatron(mtp_runs):
     assert parm.loss("mtp_2 loss")[0] > 0.5 * parm.loss("lm loss")[0]
 
 
-@pytest.mark.xfail(strict=True, reason="not finished: a resume of an MTP checkpoint under "
-                   "another layout does not continue (TP2 x EP2: KeyError 'step' in the "
-                   "optimizer's load; PP2 x DP2: no losses); see the branch's report")
 def test_mtp_checkpoint_resumes_under_another_layout(mtp_runs, gpt_data):
     root, runs = mtp_runs
     at_3 = root / "auto_at_3"
     at_3.mkdir()
     (at_3 / "iter_0000003").symlink_to(root / "auto" / "iter_0000003")
     (at_3 / TRACKER).write_text("3")
-    flags = {**MTP, **PP2, "expert-model-parallel-size": 1, "moe-parm-schedule": "s1",
-             "load": at_3}
+    # the plain optimizer's checkpoint has no step of the expert optimizer: rank 0 (the first
+    # stage, without MoE layers) wrote the common state (optimizer_state.with_common_steps)
+    flags = {**MTP, "tensor-model-parallel-size": 2, "moe-parm-schedule": "s1", "load": at_3}
     run = launch(4, tiny_gpt_args(gpt_data, **flags), root)
     assert f"resumed from {at_3} at iteration 3" in run.output, run.output[-4000:]
     for name in NAMES:
         assert len(run.loss(name)) == 2, name
-        assert max_relative(run.loss(name), runs["auto"].loss(name)[3:5]) < 1e-4, name
+        assert max_relative(run.loss(name), runs["auto"].loss(name)[3:5]) < 1e-5, name

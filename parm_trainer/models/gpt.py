@@ -187,3 +187,21 @@ def describe_modules(args: argparse.Namespace, config: TransformerConfig) -> str
         parts.append(f"experts {', '.join(sorted(experts))}")
     return (f"modules (--transformer-impl {getattr(args, 'transformer_impl', 'local')}): "
             f"{', '.join(parts)}; {library_report()}")
+
+
+def logits_with_mtp(model, tokens, positions) -> list:
+    """[the model's logits, MTP layer 1's, ...], each [batch, sequence, vocabulary (this TP
+    rank's part)], of a last pipeline stage that holds the MTP layers: megatron-core 0.16.1's
+    GPTModel computes its output there only with labels (its MTP losses), so it is given dummy
+    ones and the output layer's outputs are kept as they come (the MTP layers' first; copies, as
+    megatron's cross entropy turns logits into probabilities in place)."""
+    import torch
+
+    seen = []
+    hook = model.output_layer.register_forward_hook(
+        lambda module, args, out: seen.append(out[0].transpose(0, 1).clone()))
+    try:
+        model(tokens, positions, None, labels=torch.zeros_like(tokens))
+    finally:
+        hook.remove()
+    return [seen[-1], *seen[:-1]]

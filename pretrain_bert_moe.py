@@ -39,6 +39,9 @@ from parm_trainer.training.loop import pretrain
 def check_bert_inputs(args):
     """Before any communication: the tokenizer's special tokens, sentence-level data (the
     flags' ranges: parse_args's)."""
+    if args.mtp_num_layers:  # megatron-core's BertModel has no MTP block
+        raise InputError(f"--mtp-num-layers {args.mtp_num_layers} is for GPT: BERT predicts "
+                         f"masked tokens, not the next ones (leave the flag out)")
     if args.mock_data:  # megatron-core has a mock GPT dataset only
         raise InputError("--mock-data is for GPT (megatron-core has no mock BERT dataset); "
                          "give --data-path")

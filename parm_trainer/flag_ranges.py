@@ -30,6 +30,8 @@ RANGES = {
     "q_lora_rank": AT_LEAST_1, "kv_lora_rank": AT_LEAST_1, "qk_head_dim": AT_LEAST_1,
     "qk_pos_emb_head_dim": AT_LEAST_1, "v_head_dim": AT_LEAST_1,
     "rotary_scaling_factor": POSITIVE, "mscale": AT_LEAST_0, "mscale_all_dim": AT_LEAST_0,
+    # multi-token prediction (Megatron-LM reads 0 layers as none: say so by leaving it out)
+    "mtp_num_layers": AT_LEAST_1, "mtp_loss_scaling_factor": AT_LEAST_0,
     # MoE
     "num_experts": AT_LEAST_1, "moe_ffn_hidden_size": AT_LEAST_1, "moe_router_topk": AT_LEAST_1,
     "moe_expert_capacity_factor": POSITIVE, "moe_aux_loss_coeff": AT_LEAST_0,

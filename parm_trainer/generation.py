@@ -117,7 +117,12 @@ def _stage_forward(model, tokens: torch.Tensor, hidden_size: int):
         torch.distributed.recv(received, src=ps.get_pipeline_model_parallel_prev_rank())
         model.set_input_tensor(received)
     positions = torch.arange(tokens.shape[1]).unsqueeze(0)
-    output = model(tokens, positions, None)
+    if getattr(model, "mtp_process", False) and ps.is_pipeline_last_stage():
+        from parm_trainer.models.gpt import logits_with_mtp
+
+        output = logits_with_mtp(model, tokens, positions)[0]  # the MTP layers' unused
+    else:
+        output = model(tokens, positions, None)
     if not ps.is_pipeline_last_stage():
         torch.distributed.send(output.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
     return output

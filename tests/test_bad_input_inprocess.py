@@ -232,6 +232,13 @@ def test_pretrain_bert_refuses_mock_data(entry, gpt_data, capsys):
                    "BERT dataset)")
 
 
+def test_pretrain_bert_refuses_mtp(entry, gpt_data, capsys):
+    main = entry("pretrain_bert_moe.py")
+    argv = pretrain_argv(gpt_data, "--mtp-num-layers", "1", "--position-embedding-type", "rope")
+    assert_refused(main, argv, capsys, 1, "--mtp-num-layers 1 is for GPT: BERT predicts masked "
+                   "tokens")
+
+
 def test_pretrain_bert_refuses_a_mask_probability_over_one(entry, gpt_data, capsys):
     main = entry("pretrain_bert_moe.py")
     assert_refused(main, pretrain_argv(gpt_data, "--mask-prob", "1.5"), capsys, 1,

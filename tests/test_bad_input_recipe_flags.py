@@ -148,6 +148,31 @@ RECIPE_FLAG_CASES += [
      ["--recompute-modules needs --recompute-granularity selective"]),
 ]
 
+# multi-token prediction (parm_trainer/mtp_flags.py, planning/layout.py)
+ROPE = ["--position-embedding-type", "rope"]
+RECIPE_FLAG_CASES += [
+    ("mtp_zero_layers", 1, ["--mtp-num-layers", "0", *ROPE], 1,
+     ["--mtp-num-layers must be at least 1, got 0"]),
+    ("mtp_negative_scaling", 1, ["--mtp-num-layers", "1", *ROPE, "--mtp-loss-scaling-factor",
+                                 "-1"], 1, ["--mtp-loss-scaling-factor must not be negative"]),
+    ("mtp_learned_positions", 1, ["--mtp-num-layers", "1"], 1,
+     ["--mtp-num-layers 1 needs --position-embedding-type rope"]),
+    ("mtp_tied_pipeline", 2, ["--mtp-num-layers", "1", *ROPE,
+                              "--pipeline-model-parallel-size", "2"], 1,
+     ["--mtp-num-layers 1 with --pipeline-model-parallel-size > 1 needs "
+      "--untie-embeddings-and-output-weights"]),
+    ("mtp_uniform_recompute", 1, ["--mtp-num-layers", "1", *ROPE, "--recompute-granularity",
+                                  "full", "--recompute-method", "uniform",
+                                  "--recompute-num-layers", "2"], 1,
+     ["--mtp-num-layers 1 with --recompute-method uniform needs --recompute-num-layers 1"]),
+    ("mtp_layout_without_m", 2, ["--mtp-num-layers", "1", *ROPE,
+                                 "--untie-embeddings-and-output-weights",
+                                 "--pipeline-model-parallel-size", "2",
+                                 "--pipeline-model-parallel-layout", "Et|tL"], 1,
+     ["has 0 multi-token prediction layers (m); with --mtp-num-layers 1 put 1 m right before "
+      "L in the last stage"]),
+]
+
 
 @pytest.mark.parametrize("world,flags,status,needles", [c[1:] for c in RECIPE_FLAG_CASES],
                          ids=[c[0] for c in RECIPE_FLAG_CASES])

@@ -129,13 +129,19 @@ NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 @pytest.mark.parametrize("extra", [
     [], ["--swiglu"], ["--moe-layer-freq", "2", *NO_DROPOUT],
     [*NO_DROPOUT, "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-     "--moe-router-topk", "3"]])
+     "--moe-router-topk", "3"],
+    [*NO_DROPOUT, "--position-embedding-type", "rope", "--mtp-num-layers", "2"],
+    [*NO_DROPOUT, "--position-embedding-type", "rope", "--mtp-num-layers", "1", "--swiglu",
+     "--moe-layer-freq", "[1,0]", "--normalization", "RMSNorm"]])
 def test_flops_and_activations_match_the_real_model(one_rank_world, extra):  # noqa: F811
     """Forward GEMM FLOPs against torch's FLOP counter, and the bytes autograd keeps for the
     backward (unique storages that are not parameters) against saved_tensors_hooks, on one
     forward of megatron-core's model as the project builds it."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()  # sized by the MoE and MTP layers
     args, model = build_tiny(1, "--micro-batch-size", "2", *extra)
     args.padded_vocab_size = 1024
     tokens = torch.randint(0, 1024, (2, args.seq_length))

@@ -5,7 +5,8 @@ DistributedDataParallel around the same weights and inputs; and with --overlap-g
 embedding's reduction is under way before the backward enters the transformer layers (with
 megatron's DDP it is not), in a bucket of its own, under both optimizers' bucketing; without
 the distributed optimizer it is all-reduced in one piece per MoE layer, each launched as the
-backward leaves that layer's MoE block (training/paced_reduction.py)."""
+backward leaves that layer's MoE block (training/paced_reduction.py); with a multi-token
+prediction layer (--mtp-num-layers 1) its lookup of the tied embedding goes through the sink too."""
 
 from conftest import run_rank_workers
 

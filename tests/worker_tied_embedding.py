@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.transformer.moe import moe_utils
 from parm_trainer.arguments import parse_args
 from parm_trainer.compat import cpu
 from parm_trainer.models.config import transformer_config
@@ -18,9 +19,12 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
          "--moe-parm-chunks", "1", "--tensor-model-parallel-size", "2", "--sequence-parallel",
          "--micro-batch-size", "2", "--global-batch-size", "12", "--seed", "5",
          "--hidden-dropout", "0", "--attention-dropout", "0"]
-# (vocabulary, overlap, distributed optimizer): 512 words reduce the kept rows sparsely, 8
-# densely (each rank keeps about as many rows as its shard has)
-CASES = [(512, True, False), (8, True, False), (512, False, False), (512, True, True)]
+# (vocabulary, overlap, distributed optimizer, MTP layers): 512 words reduce the kept rows
+# sparsely, 8 densely (each rank keeps about as many rows as its shard has); with an MTP layer
+# (rope) its embedding lookup's rows go to the sink too, and its MoE block paces one piece more
+CASES = [(512, True, False, 0), (8, True, False, 0), (512, False, False, 0),
+         (512, True, True, 0), (512, True, False, 1)]
+MTP = ["--position-embedding-type", "rope", "--mtp-num-layers"]
 MICRO = 3
 
 
@@ -75,16 +79,18 @@ HANG_S = 100
 
 def main(report):
     cpu.apply()
-    for vocab, overlap, distopt in CASES:
+    for vocab, overlap, distopt, mtp in CASES:
         flags = FLAGS + ["--overlap-grad-reduce"] * overlap + \
-            ["--use-distributed-optimizer"] * distopt
+            ["--use-distributed-optimizer"] * distopt + (MTP + [str(mtp)] if mtp else [])
         args = parse_args(flags, world_size=4)
         if report["checks"] == 0:
             initialize_distributed(args)
             model_parallel_cuda_manual_seed(args.seed)
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()  # sized by the MoE+MTP layers
         ours, theirs = build(args, vocab, True), build(args, vocab, False)
         theirs.force_all_reduce = distopt  # the reference's gradients whole on every rank
-        case = f"vocab {vocab} overlap {overlap} distopt {distopt}"
+        case = f"vocab {vocab} overlap {overlap} distopt {distopt} mtp {mtp}"
+        assert (getattr(ours.module, "mtp", None) is not None) == bool(mtp), case
         assert ours.tied_embedding is not None, case
         weight = ours.module.embedding.word_embeddings.weight
         buckets = ours.param_to_bucket_group[weight].buckets
@@ -95,8 +101,8 @@ def main(report):
             if overlap and seed == 2:  # (megatron launches nothing early in its first step)
                 # (when the layers' backward starts, at its end): megatron's launches at the
                 # end, ours before the layers; paced (without the distributed optimizer), its
-                # pieces none yet, then one per MoE layer (2)
-                want = ((True, 0), (True, 2)) if not distopt else (True, True)
+                # pieces none yet (the MTP layers' MoE blocks' ones), then one per MoE layer
+                want = ((True, mtp), (True, 2 + mtp)) if not distopt else (True, True)
                 assert early == (want, (False, True)), (case, early)
             assert (ours.paced_embedding is not None) == (overlap and not distopt), case
             mine = dict(ours.module.named_parameters())

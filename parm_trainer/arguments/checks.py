@@ -8,7 +8,7 @@ import re
 
 import torch
 
-from parm_trainer import flag_ranges, mla_flags, moe_flags
+from parm_trainer import flag_ranges, mla_flags, moe_flags, mtp_flags
 from parm_trainer.arguments.megatron_only import problem as refused_flag
 from parm_trainer.arguments.recompute import problem as recompute_problem
 from parm_trainer.errors import ArgumentsError
@@ -54,6 +54,8 @@ def check(args) -> None:
         raise ArgumentsError(recompute)
     if (mla_problem := mla_flags.problem(args)) is not None:
         raise ArgumentsError(mla_problem)
+    if (mtp_problem := mtp_flags.problem(args)) is not None:
+        raise ArgumentsError(mtp_problem)
     if not _split_is_valid(args.split):
         raise ArgumentsError(f"--split {args.split!r} must be up to three non-negative "
                              f"train,valid,test proportions with a positive sum, e.g. 969,30,1")

@@ -8,7 +8,7 @@ import argparse
 import sys
 from typing import Callable, Optional
 
-from parm_trainer import error_line, mla_flags, moe_flags
+from parm_trainer import error_line, mla_flags, moe_flags, mtp_flags
 from parm_trainer.arguments.megatron_only import add_flags as add_megatron_only_flags
 from parm_trainer.arguments.recompute import add_flags as add_recompute_flags
 from parm_trainer.layer_pattern import moe_layer_freq
@@ -80,6 +80,7 @@ def _model_group(parser):
     g.add_argument("--init-method-std", type=float, default=0.02,
                    help="Std of the normal weight init (output projections scaled by 1/sqrt(2L)).")
     mla_flags.add_flags(parser)
+    mtp_flags.add_flags(parser)
 
 
 def _moe_group(parser):

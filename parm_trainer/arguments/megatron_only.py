@@ -101,7 +101,6 @@ ROWS = (
     Row("--moe-upcycling-granularity", 1, "refused", _NO_UPCYCLING),
     Row("--distribute-saved-activations", 0, "refused", "the inputs that full recompute keeps "
         "stay whole on each tensor-parallel rank; --sequence-parallel splits them"),
-    Row("--mtp-num-layers", 1, "refused", "no multi-token prediction yet; leave the flag out"),
     Row("--fake-init-process-group", 0, "refused", "no fake process groups; "
         "tools/plan_layout.py prices a layout without the GPUs"),
 )

@@ -15,7 +15,8 @@ def model_argument_names() -> set:
     parser = build_parser()
     names = {"tokenizer_type"}
     for group in parser._action_groups:
-        if group.title in ("model", "multi-latent attention", "mixture of experts"):
+        if group.title in ("model", "multi-latent attention", "multi-token prediction",
+                           "mixture of experts"):
             names |= {action.dest for action in group._group_actions}
     return {name for name in names if not name.startswith("moe_parm")}
 

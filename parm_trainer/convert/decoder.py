@@ -21,7 +21,10 @@ are not renames:
   down one;
 - the embedding (and an untied output layer): the project pads its rows with zeros past the
   Hugging Face vocabulary.
-The query/key norms (--qk-layernorm: the Target's qk_norm names) are renames. A Target with an
+The query/key norms (--qk-layernorm: the Target's qk_norm names) are renames. The project's
+multi-token prediction layer j (--mtp-num-layers) is Hugging Face's layer L + j: its transformer
+layer has a decoder layer's rules, its own tensors the Target's mtp Rules, and the tensors a
+class repeats there (the Target's copies) are written as copies and refused unless equal. A Target with an
 attention of its own (DeepSeek-V3's multi-latent attention) gives that attention's Rules in
 place of the fused QKV, its bias and the query/key norms; one with more tensors in a layer
 (Qwen2-MoE's shared expert and its sigmoid gate, DeepSeek-V3's expert bias and shared experts)
@@ -33,6 +36,7 @@ the function is the same, and an import refuses them unless they are zero.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -59,6 +63,10 @@ def check_exportable(args: dict) -> None:
     if not args.get("num_experts"):
         raise NotExportable(f"the model has no MoE layers (--num-experts): each of "
                             f"{CLASSES} needs them")
+    if args.get("mtp_num_layers") and not args.get("multi_latent_attention"):
+        raise NotExportable(f"--mtp-num-layers {args['mtp_num_layers']}: of {CLASSES} only "
+                            f"DeepseekV3ForCausalLM (--multi-latent-attention) has multi-token "
+                            f"prediction layers")
     for flag, (needed, fix) in REQUIRED.items():
         if args.get(flag) != needed:
             raise NotExportable(
@@ -170,25 +178,30 @@ class Shape:
     ffn: int  # an expert's
     dense_ffn: int  # a dense layer's
     tied: bool
-    moe: tuple  # per layer: is it an MoE layer
+    moe: tuple  # per layer, the MTP layers' last: is it an MoE layer
     qkv_bias: bool = False
     qk_norm: bool = False  # per head (--qk-layernorm) or over all heads: the same names
     shared_ffn: int = 0  # the shared expert's width (0: none)
     shared_gate: bool = False
     expert_bias: bool = False  # the router's aux-loss-free bias
     q_lora_rank: Optional[int] = None  # multi-latent attention's query latent (None: none)
+    # multi-token prediction layers (--mtp-num-layers) after the decoder's, each of the last
+    # decoder layer's kind: Hugging Face's layers `layers` and on (DeepSeek-V3's)
+    mtp: int = 0
 
     @property
     def layers(self) -> int:
-        return len(self.moe)
+        """The decoder's layers (the MTP layers not counted)."""
+        return len(self.moe) - self.mtp
 
 
 def shape_of_args(args: dict) -> Shape:
     pattern = moe_layer_pattern(args.get("moe_layer_freq") or 1, args["num_layers"])
+    mtp = args.get("mtp_num_layers") or 0
     return Shape(args["hidden_size"], *heads(args), args["num_experts"],
                  args["moe_ffn_hidden_size"], args.get("ffn_hidden_size") or 0,
                  not args["untie_embeddings_and_output_weights"],
-                 tuple(bool(moe) for moe in pattern),
+                 tuple(bool(moe) for moe in pattern + pattern[-1:] * mtp), mtp=mtp,
                  qkv_bias=bool(args.get("add_qkv_bias")), qk_norm=bool(args.get("qk_layernorm")),
                  shared_ffn=args.get("moe_shared_expert_intermediate_size") or 0,
                  shared_gate=bool(args.get("moe_shared_expert_gate")),
@@ -210,6 +223,12 @@ class Target:
     # (shape, layer index) -> the Rules of that layer's attention in place of megatron's fused
     # QKV <-> q_proj, k_proj, v_proj, its bias and the query/key norms (None: those)
     attention: Optional[Callable] = None
+    # (shape, MTP layer j) -> the Rules of its tensors beside its transformer layer (whose are
+    # a decoder layer's at Hugging Face's layer shape.layers + j)
+    mtp: Callable = lambda shape, j: ()
+    # shape -> {name: the name it is a copy of}: Hugging Face tensors that repeat another
+    # (DeepSeek-V3's MTP layers' embedding and head), written as copies, refused unless equal
+    copies: Callable = lambda shape: {}
 
 
 @dataclass(frozen=True)
@@ -228,11 +247,17 @@ def _layer(i: int) -> str:
 
 def layer_of(name: str):
     """The layer index of a name on either side (decoder.layers.{i}. or model.layers.{i}.),
-    else None (embedding, final norm, output layer)."""
+    ("mtp", j) for the project's MTP layer j (mtp.layers.{j}.), else None (embedding, final
+    norm, output layer)."""
     parts = name.split(".")
     if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit():
-        return int(parts[2])
+        return ("mtp", int(parts[2])) if parts[0] == "mtp" else int(parts[2])
     return None
+
+
+def hf_layer(shape: Shape, layer) -> int:
+    """Hugging Face's layer index of layer_of's answer (MTP layer j: shape.layers + j)."""
+    return shape.layers + layer[1] if isinstance(layer, tuple) else layer
 
 
 def same(ours: str, theirs: str) -> Rule:
@@ -305,34 +330,44 @@ def rules(shape: Shape, target: Target, vocab_size=None, padded_vocab_size=None)
     out = [_rows("embedding.word_embeddings.weight", "model.embed_tokens.weight", vocab_size,
                  padded_vocab_size)]
     for i in range(shape.layers):
-        ours, theirs = f"decoder.layers.{i}.", _layer(i)
-        out += [same(ours + "input_layernorm.weight", theirs + "input_layernorm.weight"),
-                *(target.attention(shape, i) if target.attention
-                  else _attention(shape, target, i)),
-                same(ours + "self_attention.linear_proj.weight", theirs + "self_attn.o_proj.weight"),
-                same(ours + "pre_mlp_layernorm.weight", theirs + "post_attention_layernorm.weight")]
-        if shape.moe[i]:
-            out.append(same(ours + "mlp.router.weight", theirs + target.router))
-            for e in range(shape.experts):
-                gate, up, down = (theirs + name for name in target.expert(e))
-                expert = f"{ours}mlp.experts.local_experts.{e}."
-                out += [glu(expert + "linear_fc1.weight", gate, up),
-                        same(expert + "linear_fc2.weight", down)]
-        else:
-            gate, up, down = (theirs + name for name in target.dense)
-            out += [glu(ours + "mlp.linear_fc1.weight", gate, up),
-                    same(ours + "mlp.linear_fc2.weight", down)]
-        out += list(target.extra(shape, i))
+        out += _layer_rules(shape, target, i)
     out.append(same("decoder.final_layernorm.weight", "model.norm.weight"))
     if not shape.tied:
         out.append(_rows("output_layer.weight", "lm_head.weight", vocab_size, padded_vocab_size))
+    for j in range(shape.mtp):  # megatron's MTP layer j: a transformer layer and more
+        decoder, ours = f"decoder.layers.{shape.layers + j}.", f"mtp.layers.{j}.transformer_layer."
+        out += [dataclasses.replace(rule, ours=ours + rule.ours[len(decoder):])
+                for rule in _layer_rules(shape, target, shape.layers + j)]
+        out += list(target.mtp(shape, j))
     return out
+
+
+def _layer_rules(shape: Shape, target: Target, i: int) -> list:
+    """The Rules of decoder layer i (of Hugging Face's layer i)."""
+    ours, theirs = f"decoder.layers.{i}.", _layer(i)
+    out = [same(ours + "input_layernorm.weight", theirs + "input_layernorm.weight"),
+           *(target.attention(shape, i) if target.attention else _attention(shape, target, i)),
+           same(ours + "self_attention.linear_proj.weight", theirs + "self_attn.o_proj.weight"),
+           same(ours + "pre_mlp_layernorm.weight", theirs + "post_attention_layernorm.weight")]
+    if shape.moe[i]:
+        out.append(same(ours + "mlp.router.weight", theirs + target.router))
+        for e in range(shape.experts):
+            gate, up, down = (theirs + name for name in target.expert(e))
+            expert = f"{ours}mlp.experts.local_experts.{e}."
+            out += [glu(expert + "linear_fc1.weight", gate, up),
+                    same(expert + "linear_fc2.weight", down)]
+    else:
+        gate, up, down = (theirs + name for name in target.dense)
+        out += [glu(ours + "mlp.linear_fc1.weight", gate, up),
+                same(ours + "mlp.linear_fc2.weight", down)]
+    return out + list(target.extra(shape, i))
 
 
 def zeros(shape: Shape, target: Target, layers=None) -> dict:
     """The Hugging Face tensors the project's model lacks (written as zeros, refused on import
-    unless zero): name -> shape, for the given layers (all by default)."""
-    return {_layer(i) + name: size for i in (range(shape.layers) if layers is None else layers)
+    unless zero): name -> shape, for the given layers (layer_of's answers; all by default)."""
+    indices = range(len(shape.moe)) if layers is None else [hf_layer(shape, i) for i in layers]
+    return {_layer(i) + name: size for i in indices
             for name, size in target.zeros(shape, i).items()}
 
 
@@ -348,6 +383,18 @@ def check_zeros(read: Callable, present, shape: Shape, target: Target) -> None:
                                 f"project's model has no such tensor")
 
 
+def check_copies(read: Callable, present, shape: Shape, target: Target) -> None:
+    """Refuse, by name, a Hugging Face tensor that should repeat another and does not (the
+    project's model holds it once; read: name -> tensor; only the names present are read)."""
+    import torch
+
+    for copy, original in target.copies(shape).items():
+        if copy in present and original in present and not torch.equal(read(copy),
+                                                                        read(original)):
+            raise NotExportable(f"{copy} differs from {original}: the project's model holds "
+                                f"them as one tensor")
+
+
 def to_hf(state: dict, shape: Shape, target: Target, vocab_size: int, zeros_of=None) -> dict:
     """The target's tensors (the first vocab_size embedding rows) of a one-rank state dict, or
     of a part of one: the rules whose tensor it holds, and the zeros of the layers zeros_of
@@ -358,9 +405,11 @@ def to_hf(state: dict, shape: Shape, target: Target, vocab_size: int, zeros_of=N
     for rule in rules(shape, target, vocab_size=vocab_size):
         if rule.ours in state:
             out.update(zip(rule.theirs, rule.split(state[rule.ours])))
+    out.update({copy: out[original] for copy, original in target.copies(shape).items()
+                if original in out})
     like = next(iter(state.values()))
     held = {layer_of(name) for name in state} - {None} if zeros_of is None else zeros_of
-    for name, size in zeros(shape, target, sorted(held)).items():
+    for name, size in zeros(shape, target, sorted(held, key=lambda i: hf_layer(shape, i))).items():
         out[name] = torch.zeros(size, dtype=like.dtype, device=like.device)
     return {key: value.detach().contiguous() for key, value in out.items()}
 
@@ -369,4 +418,5 @@ def hf_names(shape: Shape, target: Target, with_zeros: bool = True) -> set:
     """Every tensor name a target's directory for this shape holds (with_zeros: also those of
     the tensors the project's model lacks, which an import may go without)."""
     names = {name for rule in rules(shape, target) for name in rule.theirs}
+    names |= set(target.copies(shape))
     return names | set(zeros(shape, target)) if with_zeros else names

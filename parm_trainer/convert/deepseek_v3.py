@@ -19,6 +19,13 @@ a group by its top two scores, megatron by its top topk / topk_group: they agree
 top-k > 1, never for top-1), the shared experts as one of width n_shared_experts x
 moe_intermediate_size without a gate; the first first_k_dense_replace layers dense.
 YaRN's constants that Megatron-LM has no flags for must be MLATransformerConfig's defaults.
+
+Multi-token prediction: DeepSeek's files hold MTP layer j (num_nextn_predict_layers of them) as
+layer num_hidden_layers + j: a decoder layer's tensors (megatron-core's MTP transformer_layer),
+enorm, hnorm, eh_proj, shared_head.norm (final_layernorm), and embed_tokens and shared_head.head,
+copies of the model's embedding and output layer, which megatron-core's MTP layers share. An
+import keeps them (--mtp-num-layers) where the files have them (transformers writes
+num_nextn_predict_layers 1 without them); an export writes them and the count.
 """
 
 from __future__ import annotations
@@ -77,11 +84,47 @@ def _zeros(shape, i: int) -> dict:
     return out
 
 
+def _mtp(shape, j: int) -> list:
+    """The Rules of MTP layer j's tensors beside its transformer layer."""
+    ours, theirs = f"mtp.layers.{j}.", f"model.layers.{shape.layers + j}."
+    return [same(ours + name + ".weight", theirs + hf + ".weight") for name, hf in (
+        ("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
+        ("final_layernorm", "shared_head.norm"))]
+
+
+def _copies(shape) -> dict:
+    """MTP layers' embedding and head: copies of the model's (the head of a tied model is the
+    embedding)."""
+    head = "model.embed_tokens.weight" if shape.tied else "lm_head.weight"
+    out = {}
+    for j in range(shape.mtp):
+        layer = f"model.layers.{shape.layers + j}."
+        out[layer + "embed_tokens.weight"] = "model.embed_tokens.weight"
+        out[layer + "shared_head.head.weight"] = head
+    return out
+
+
 TARGET = Target(class_name="DeepseekV3ForCausalLM", router="mlp.gate.weight",
                 expert=lambda e: tuple(f"mlp.experts.{e}.{p}_proj.weight"
                                        for p in ("gate", "up", "down")),
                 dense=tuple(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
-                zeros=_zeros, extra=_extra, attention=_attention)
+                zeros=_zeros, extra=_extra, attention=_attention, mtp=_mtp, copies=_copies)
+
+
+def weight_flags(config: dict, names) -> dict:
+    """--mtp-num-layers where the files (names: their tensors) hold the MTP layers that
+    num_nextn_predict_layers counts (any of them: the import then wants them all), else
+    nothing."""
+    count, layers = config.get("num_nextn_predict_layers") or 0, config["num_hidden_layers"]
+    held = any(name.startswith(f"model.layers.{layers + j}.") for name in names
+               for j in range(count))
+    if not held:
+        return {}
+    if (config.get("first_k_dense_replace") or 0) >= layers:
+        raise NotExportable(f"num_nextn_predict_layers {count} with every decoder layer dense: "
+                            f"megatron-core's MTP layers take the last decoder layer's kind, "
+                            f"DeepSeek-V3's are MoE layers")
+    return {"mtp_num_layers": count}
 
 
 def _first_dense(args: dict) -> int:
@@ -170,6 +213,7 @@ def hf_config(args: dict, vocab_size: int, bos: int, eos: int) -> dict:
         rope_interleave=True, attention_bias=False, attention_dropout=0.0,
         tie_word_embeddings=not args["untie_embeddings_and_output_weights"],
         bos_token_id=bos, eos_token_id=eos, dtype="float32",
+        num_nextn_predict_layers=args.get("mtp_num_layers") or 0,
     )
 
 

@@ -26,8 +26,8 @@ import json
 import os
 
 from parm_trainer.convert.bert import FORMAT as BERT_FORMAT
-from parm_trainer.convert.decoder import (check_exportable, check_zeros, hf_names, legacy_keys,
-                                          rules, shape_of_args, to_hf)
+from parm_trainer.convert.decoder import (check_copies, check_exportable, check_zeros, hf_names,
+                                          legacy_keys, rules, shape_of_args, to_hf)
 from parm_trainer.convert.families import TARGETS, target_of
 from parm_trainer.convert.output import ConvertError, refuse_existing, written_whole
 from parm_trainer.convert.single_process import latest
@@ -155,15 +155,18 @@ def import_from_hf(load_dir: str, save_dir: str, tokenizer_model: str | None = N
     padded, multiple = tokenizer_files.padded_rows(tokenizer, hf_vocab)
     if multiple != 128:  # Megatron-LM's default, left off the command line
         values["make_vocab_size_divisible_by"] = multiple
-    from parm_trainer.arguments import command_line
     from parm_trainer.convert.hf_files import Weights
-    from parm_trainer.convert.single_process import build_one_rank_model, close, one_rank_args
-    from parm_trainer.convert.stream_checkpoint import LazySave
-    from parm_trainer.training import checkpoint
 
     weights = Weights(load_dir)
     if not weights.file:
         raise ConvertError(f"--load-dir {load_dir} has no *.safetensors weights")
+    if hasattr(target, "weight_flags"):  # what only the files say (DeepSeek-V3's MTP layers)
+        values.update(target.weight_flags(config, weights.file))
+    from parm_trainer.arguments import command_line
+    from parm_trainer.convert.single_process import build_one_rank_model, close, one_rank_args
+    from parm_trainer.convert.stream_checkpoint import LazySave
+    from parm_trainer.training import checkpoint
+
     with written_whole(save_dir) as out:
         args = one_rank_args(values, tokenizer_type=tokenizer.kind,
                              tokenizer_model=tokenizer.path, padded_vocab_size=padded,
@@ -215,6 +218,7 @@ def _source(model, weights, shape, target, hf_vocab: int, padded: int, load_dir:
             raise ConvertError(f"{name}: {load_dir} gives shape {weights.shapes[name]}, the "
                                f"model has {list(tensor.shape)}")
     check_zeros(weights.read, weights.file, shape, target)
+    check_copies(weights.read, weights.file, shape, target)
     by_ours = {rule.ours: rule for rule in every_rule}
 
     def make(name: str):

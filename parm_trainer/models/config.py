@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from parm_trainer import mla_flags, moe_flags
+from parm_trainer import mla_flags, moe_flags, mtp_flags
 from parm_trainer.layer_pattern import moe_layer_pattern
 
 
@@ -82,6 +82,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         persist_layer_norm=False,
         **mla,
         **moe,
+        **mtp_flags.config_fields(args),
     )
 
 
@@ -112,8 +113,16 @@ def recompute_fields(args) -> dict:
 
 
 def num_moe_layers(args) -> int:
-    """How many layers are MoE (--moe-layer-freq; none without --num-experts)."""
+    """How many decoder layers are MoE (--moe-layer-freq; none without --num-experts)."""
     return sum(moe_layer_pattern(args.moe_layer_freq, args.num_layers)) if args.num_experts else 0
+
+
+def pattern_with_mtp(args) -> list:
+    """1 (MoE) or 0 (dense) per decoder layer, then per MTP layer (--mtp-num-layers), which
+    takes the last decoder layer's kind (models/gpt.py's mtp_block_spec)."""
+    pattern = (moe_layer_pattern(args.moe_layer_freq, args.num_layers) if args.num_experts
+               else [0] * args.num_layers)
+    return pattern + pattern[-1:] * mtp_flags.num_layers(args)
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel_size: int, multiple: int = 128) -> int:

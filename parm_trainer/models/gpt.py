@@ -9,7 +9,9 @@ from typing import Optional
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
+    get_gpt_decoder_layer_specs,
     get_gpt_layer_local_spec,
+    get_gpt_mtp_block_spec,
 )
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -71,12 +73,17 @@ def _megatron_spec(config: TransformerConfig, args: argparse.Namespace,
                                         multi_latent_attention=config.multi_latent_attention)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=uses_te(args),
                                        normalization=args.normalization, vp_stage=vp_stage)
-    if args.moe_parm_schedule != "megatron":
-        for layer in block.layer_specs:
-            use_parm_moe_layer(layer, args.moe_parm_schedule, args.moe_parm_chunks,
-                               args.moe_parm_exchange, args.moe_parm_local_first,
-                               args.moe_shared_expert_overlap)
+    for layer in block.layer_specs:
+        parm_moe_unless_megatron(layer, args)
     return block
+
+
+def parm_moe_unless_megatron(layer_spec: ModuleSpec, args: argparse.Namespace) -> None:
+    """Parm's MoE layer in a layer spec unless --moe-parm-schedule megatron."""
+    if args.moe_parm_schedule != "megatron":
+        use_parm_moe_layer(layer_spec, args.moe_parm_schedule, args.moe_parm_chunks,
+                           args.moe_parm_exchange, args.moe_parm_local_first,
+                           args.moe_shared_expert_overlap)
 
 
 def norms_across_heads(layer_spec: ModuleSpec, args: argparse.Namespace) -> ModuleSpec:
@@ -125,8 +132,29 @@ def build_gpt_moe(args: argparse.Namespace, config: TransformerConfig, vocab_siz
     """This pipeline rank's GPT (its model chunk vp_stage under interleaved 1F1B)."""
     return GPTModel(transformer_layer_spec=gpt_layer_spec(config, args, vp_stage),
                     rotary_base=args.rotary_base,
+                    mtp_block_spec=mtp_block_spec(config, args, vp_stage),
                     **language_model_kwargs(args, config, vocab_size, pre_process, post_process,
                                             vp_stage))
+
+
+def mtp_block_spec(config: TransformerConfig, args: argparse.Namespace,
+                   vp_stage: Optional[int] = None):
+    """megatron's MTP block spec for --mtp-num-layers on the stage that holds the MTP layers
+    (None elsewhere and without MTP), as Megatron-LM's gpt_builders: each MTP layer's
+    transformer layer is the model's last decoder layer's spec, with this stack's changes
+    (Parm's MoE layer, the local MLA core attention, norms across heads). Where a last stage
+    holds no decoder layer Megatron-LM takes a dense layer instead; here still the last layer."""
+    if not config.mtp_num_layers:
+        return None
+    if config.num_moe_experts:
+        layer = get_gpt_decoder_layer_specs(config, uses_te(args), args.normalization)[-1]
+        use_local_latent_attention(layer)
+        norms_across_heads(layer, args)
+        parm_moe_unless_megatron(layer, args)
+    else:
+        layer = gpt_layer_spec(config, args)
+    return get_gpt_mtp_block_spec(config, layer, use_transformer_engine=uses_te(args),
+                                  vp_stage=vp_stage)
 
 
 def _module_name(spec) -> str:
@@ -143,8 +171,6 @@ def describe_modules(args: argparse.Namespace, config: TransformerConfig) -> str
     # every layer of the model (a pipeline stage may hold none), as gpt_layer_spec builds them
     # before it picks this stage's and swaps in Parm's MoE layer (which keeps the experts)
     if config.num_moe_experts:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
-
         layers = get_gpt_decoder_layer_specs(config, uses_te(args), args.normalization)
     else:
         layers = [gpt_layer_spec(config, args)]
@@ -161,3 +187,21 @@ def describe_modules(args: argparse.Namespace, config: TransformerConfig) -> str
         parts.append(f"experts {', '.join(sorted(experts))}")
     return (f"modules (--transformer-impl {getattr(args, 'transformer_impl', 'local')}): "
             f"{', '.join(parts)}; {library_report()}")
+
+
+def logits_with_mtp(model, tokens, positions) -> list:
+    """[the model's logits, MTP layer 1's, ...], each [batch, sequence, vocabulary (this TP
+    rank's part)], of a last pipeline stage that holds the MTP layers: megatron-core 0.16.1's
+    GPTModel computes its output there only with labels (its MTP losses), so it is given dummy
+    ones and the output layer's outputs are kept as they come (the MTP layers' first; copies, as
+    megatron's cross entropy turns logits into probabilities in place)."""
+    import torch
+
+    seen = []
+    hook = model.output_layer.register_forward_hook(
+        lambda module, args, out: seen.append(out[0].transpose(0, 1).clone()))
+    try:
+        model(tokens, positions, None, labels=torch.zeros_like(tokens))
+    finally:
+        hook.remove()
+    return [seen[-1], *seen[:-1]]

@@ -82,6 +82,19 @@ def sharded_pieces(item) -> list:
     return _built(item)[0]
 
 
+def sharded_state_dict(model: torch.nn.Module) -> dict:
+    """model.sharded_state_dict(), with the metadata megatron-core's GPTModel needs on a
+    multi-token prediction stage that does not hold the embedding's first copy (its copy of the
+    word embedding is a replica over the data-parallel ranks: Megatron-LM's dp_cp_group)."""
+    metadata = None
+    if getattr(model, "mtp_process", False) and not getattr(model, "pre_process", True):
+        from megatron.core import parallel_state
+
+        metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(
+            with_context_parallel=True)}
+    return model.sharded_state_dict(metadata=metadata)
+
+
 def init_weights_layout_free(model: torch.nn.Module, seed: int, std: float, num_layers: int) -> int:
     """Overwrite every weight matrix of `model` (an unwrapped megatron module) in place.
 
@@ -91,7 +104,7 @@ def init_weights_layout_free(model: torch.nn.Module, seed: int, std: float, num_
     written = 0
     scaled_std = std / math.sqrt(2.0 * num_layers)
     with torch.no_grad():
-        for item in model.sharded_state_dict().values():
+        for item in sharded_state_dict(model).values():
             pieces, merged = _built(item)
             drawn = 0
             for sharded in pieces:

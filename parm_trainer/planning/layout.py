@@ -42,11 +42,14 @@ class Chunk:
     layers: tuple  # decoder layers, 0-based
     embedding: bool = False
     loss: bool = False
+    mtp: int = 0  # multi-token prediction layers (the last chunk's, before the loss)
 
     @property
     def code(self) -> str:
-        """This chunk in megatron's letters: E, one t per decoder layer, L."""
-        return "E" * self.embedding + "t" * len(self.layers) + "L" * self.loss
+        """This chunk in megatron's letters: E, one t per decoder layer, one m per MTP
+        layer, L."""
+        return ("E" * self.embedding + "t" * len(self.layers) + "m" * self.mtp
+                + "L" * self.loss)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -124,7 +127,12 @@ def _from_layout(layout: str, args) -> list:
                           f"| between stages, (...)*n and x*n to repeat") from None
     codes = ["".join(_LETTER[kind.name] for kind in stage) for stage in stages]
     flat = "".join(codes)
-    _require("m" not in flat, f"{shown}: m (multi-token prediction) layers are not supported")
+    mtp = getattr(args, "mtp_num_layers", None) or 0
+    # megatron-core places them on any stage after the decoder; this stack, as its default
+    # placement, on the last one (their embedding copy's gradient is then the loss stage's)
+    _require(flat.count("m") == mtp and codes[-1].endswith("m" * mtp + "L"),
+             f"{shown} has {flat.count('m')} multi-token prediction layers (m); with "
+             f"--mtp-num-layers {mtp or 'none'} put {mtp} m right before L in the last stage")
     _require(len(codes) % pp == 0,
              f"{shown} has {len(codes)} stages, not a multiple of {PP} {pp}")
     _require(flat.count("t") == layers,
@@ -190,7 +198,9 @@ def _split(args, first, last, virtual, per_virtual) -> list:
             size = counts[rank] // virtual
             chunks.append(Chunk(rank, v, tuple(range(next_layer, next_layer + size)),
                                 embedding=rank == 0 and v == 0,
-                                loss=rank == pp - 1 and v == virtual - 1))
+                                loss=rank == pp - 1 and v == virtual - 1,
+                                mtp=(getattr(args, "mtp_num_layers", None) or 0)
+                                * (rank == pp - 1 and v == virtual - 1)))
             next_layer += size
     return chunks
 
@@ -220,7 +230,7 @@ def chunks_of(stages: str, pp: int) -> list:
     for index, code in enumerate(stages.split("|")):
         count = code.count("t")
         chunks.append(Chunk(index % pp, index // pp, tuple(range(next_layer, next_layer + count)),
-                            "E" in code, "L" in code))
+                            "E" in code, "L" in code, code.count("m")))
         next_layer += count
     return chunks
 
@@ -232,7 +242,8 @@ def recorded_stages(args) -> Optional[str]:
     if not stages or "|" not in stages:
         return None
     even = argparse.Namespace(pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                              num_layers=args.num_layers)
+                              num_layers=args.num_layers,
+                              mtp_num_layers=getattr(args, "mtp_num_layers", None))
     try:
         default = layout_string(_split(even, None, None, None, None))
     except LayoutError:
@@ -262,6 +273,7 @@ def describe(args) -> list:
             first, last = chunk.layers[0] + 1, chunk.layers[-1] + 1
             span = f"layer {first}" if first == last else f"layers {first}-{last}"
             parts.append(f"{span} ({', '.join(kinds[i] for i in chunk.layers)})")
+        parts += [f"{chunk.mtp} MTP layer{'s' * (chunk.mtp > 1)}"] if chunk.mtp else []
         parts += ["loss"] if chunk.loss else []
         where = f"PP rank {chunk.rank}" + (f", virtual stage {chunk.virtual}" if virtual > 1
                                            else "")

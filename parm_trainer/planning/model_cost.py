@@ -293,8 +293,31 @@ class ModelCost:
         gemm = self.gemm(2 * n * M * V / T)
         ce = 3 * self.coll("allreduce", n * 4, T)
         # the output weight: the embedding's own where tied and on the same stage (stages.py)
-        return Piece("L", gather + gemm + logits + ce, gather + 2 * (gemm + logits) + ce,
+        head = Piece("L", gather + gemm + logits + ce, gather + 2 * (gemm + logits) + ce,
                      M + V * M / T, 0.0, self.activations("L"))
+        return self._with_mtp(head)
+
+    def _with_mtp(self, head: Piece) -> Piece:
+        """The loss piece with --mtp-num-layers' layers, which megatron puts on the loss's
+        stage: each the last decoder layer's kind, its embedding lookup, enorm and hnorm,
+        eh_proj (2M -> M) and final norm, and its own logits and loss through the output
+        layer; with untied embeddings under pipelining the stage's copy of the embedding."""
+        a, n, M, T, e = self.args, self.n, self.args.hidden_size, self.tp, self.e
+        k = getattr(a, "mtp_num_layers", None) or 0
+        if not k:
+            return head
+        layer = self.layer(moe_layers(a)[-1])
+        proj = self.gemm(2 * n * 2 * M * M / T)
+        rms = getattr(a, "normalization", "LayerNorm") == "RMSNorm"
+        norm = n * M * e / (T if self.sp else 1) * (2 if rms else 1) + n * (4 if rms else 8)
+        saved = n * 8 + 2 * norm + n * 2 * M * e + layer.activation_bytes + head.activation_bytes
+        embedding = (self.vocab * M / T if a.untie_embeddings_and_output_weights
+                     and a.pipeline_model_parallel_size > 1 else 0.0)
+        return Piece("L", head.forward_s + k * (layer.forward_s + proj + head.forward_s),
+                     head.backward_s + k * (layer.backward_s + 2 * proj + head.backward_s),
+                     head.params + embedding + k * (layer.params + 2 * M * M / T + 3 * M),
+                     k * layer.expert_params, head.activation_bytes + k * saved,
+                     max(head.recompute_bytes, layer.recompute_bytes))
 
     def pieces(self) -> list:
         """[E, layer 0 .. layer N-1, L] on one rank."""

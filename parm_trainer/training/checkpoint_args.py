@@ -21,7 +21,7 @@ from parm_trainer.training.checkpoint.files import (TOKENIZER_FILES, CheckpointE
 
 UNLESS_GIVEN = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length",
                 "num_attention_heads", "kv_channels", "max_position_embeddings",
-                "moe_token_dispatcher_type")
+                "moe_token_dispatcher_type", "mtp_num_layers")
 ALWAYS = ("num_query_groups", "group_query_attention", "position_embedding_type",
           "add_position_embedding", "rotary_base", "disable_bias_linear", "add_qkv_bias",
           "swiglu", "untie_embeddings_and_output_weights", "normalization", "attention_dropout",

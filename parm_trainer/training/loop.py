@@ -26,14 +26,15 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe import moe_utils
 
+from parm_trainer import mtp_flags
 from parm_trainer.errors import NonFiniteLossError
-from parm_trainer.layer_pattern import moe_layer_pattern
-from parm_trainer.models.config import num_moe_layers, transformer_config
+from parm_trainer.models.config import pattern_with_mtp, transformer_config
 from parm_trainer.parallel import destroy_distributed, rank_device
 from parm_trainer.planning import batch_schedule
 from parm_trainer.planning.paired_microbatches import not_applied as pairs_not_applied
 from parm_trainer.training import (checkpoint, faults, loss_scale, manual_gc, memory,
-                                   memory_probe, microbatch_overlap, param_gather, watchdog)
+                                   memory_probe, microbatch_overlap, mtp_losses, param_gather,
+                                   watchdog)
 from parm_trainer.training.checkpoint import async_save
 from parm_trainer.training import timers as run_timers
 from parm_trainer.training.data import cycle, micro_batch_iterator
@@ -134,9 +135,13 @@ class Trainer:
             self._load()
         self.datasets = datasets_provider(args, self._num_samples())
         self.logger = MetricsLogger(args, resumed_at=self.iteration)
-        self.num_moe_layers = num_moe_layers(args)
+        # the decoder's layers, then the MTP layers (megatron numbers them on: the trackers)
+        self.layer_pattern = pattern_with_mtp(args)
+        self.num_moe_layers = sum(self.layer_pattern)
+        self.mtp_layers = mtp_flags.num_layers(args)
         self.moe_loss_names = None  # _moe_loss_names(), once the routers have run
-        self.expert_tokens = (ExpertTokenCounter(self.model, args.num_layers, args.num_experts)
+        self.expert_tokens = (ExpertTokenCounter(self.model, len(self.layer_pattern),
+                                                 args.num_experts)
                               if self.num_moe_layers else None)
         self.flops_per_sample = flops_per_iteration(args, batch_size=1)
         why = pairs_not_applied(args)
@@ -235,12 +240,16 @@ class Trainer:
             if self.moe_loss_names is None:
                 self.moe_loss_names = _moe_loss_names()
             metrics.update(_moe_losses(get_num_microbatches(), self.num_moe_layers,
-                                       self.moe_loss_names, self.args.num_layers,
+                                       self.moe_loss_names, len(self.layer_pattern),
                                        getattr(self.args, "moe_per_layer_logging", False)))
             metrics["tokens per expert"] = self.expert_tokens.collect()
         elif self.num_moe_layers:
             moe_utils.clear_aux_losses_tracker()
             self.expert_tokens.reset()
+        if self.mtp_layers and report_moe:  # Megatron-LM's "mtp_1 loss", ...
+            metrics.update(mtp_losses.collect(self.mtp_layers, get_num_microbatches()))
+        elif self.mtp_layers:
+            mtp_losses.clear()
         return metrics
 
     def evaluate(self, iterator) -> dict:
@@ -312,8 +321,7 @@ class Trainer:
         if report:
             print_rank_last(run_timers.format_report(report, a.timing_log_option))
         if per_layer:  # Megatron-LM's names: moe/<loss>_layer_<n>
-            layers = [i for i, moe in enumerate(moe_layer_pattern(a.moe_layer_freq,
-                                                                  a.num_layers)) if moe]
+            layers = [i for i, moe in enumerate(self.layer_pattern) if moe]
             print_rank_last(f"router losses per MoE layer at iteration {self.iteration} | "
                             + " | ".join(f"layer {i + 1}: " + ", ".join(
                                 f"{name} {values[i]:.4f}" for name, values in per_layer.items())

@@ -18,7 +18,8 @@ from parm_trainer.models.init import sharded_pieces
 from parm_trainer.training.checkpoint.files import (TRACKER, CheckpointError, iteration_dir,
                                                     iterations, read_tracker, strays)
 from parm_trainer.training.checkpoint.optimizer_state import (is_distributed, set_adam_state,
-                                                              step_kept_apart)
+                                                              step_kept_apart,
+                                                              with_common_steps)
 from parm_trainer.training.checkpoint.state import (describe_error, layout, restore_rng,
                                                     scheduler_in_samples, sharded_state)
 
@@ -182,8 +183,11 @@ def _load_dir(path: str, model, optimizer, scheduler, load_optimizer: bool, load
     if load_optimizer:
         # In fp32 the distributed optimizer's main params are views of the model's leaf params;
         # its in-place copies need no_grad (with bf16 they are separate fp32 tensors).
+        saved = loaded["optimizer"]
+        if not is_distributed(optimizer):
+            saved = with_common_steps(saved, step)
         with torch.no_grad(), step_kept_apart(optimizer):
-            optimizer.load_state_dict(loaded["optimizer"])
+            optimizer.load_state_dict(saved)
         set_adam_state(optimizer, step, placeholders=False)
         scheduler.load_state_dict(scheduler_in_samples(loaded["opt_param_scheduler"], common))
     if with_rng:

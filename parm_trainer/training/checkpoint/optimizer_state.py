@@ -107,3 +107,25 @@ def step_kept_apart(optimizer):
     finally:
         for inner in patched:
             del inner._set_main_param_and_optimizer_states
+
+
+def with_common_steps(loaded, step: int):
+    """A loaded plain (not distributed) optimizer state in which every optimizer's part that
+    holds parameter states has megatron-core's `common_step`.
+
+    megatron-core saves the step of each chained optimizer as 'common_step' in the common state,
+    which dist_checkpointing writes from rank 0 alone: where rank 0 held no parameter of an
+    optimizer (the expert optimizer of a first pipeline stage without MoE layers) the checkpoint
+    has none, and the ranks that do hold some would give torch's Adam states without a 'step'
+    (KeyError in its load_state_dict). The step put in is overwritten by set_adam_state."""
+    if isinstance(loaded, dict):
+        state = loaded.get("state")
+        if (isinstance(state, dict) and "param_groups" in loaded
+                and any(key != "common_step" for key in state)):
+            state.setdefault("common_step", torch.tensor(float(step)))
+        for value in loaded.values():
+            with_common_steps(value, step)
+    elif isinstance(loaded, (list, tuple)):
+        for value in loaded:
+            with_common_steps(value, step)
+    return loaded

@@ -17,6 +17,7 @@ from megatron.core.tensor_parallel import random as mrandom
 import parm_trainer
 from parm_trainer import parallel
 from parm_trainer.data.tokenizer import TOKENIZER_FILE_FLAGS
+from parm_trainer.models.init import sharded_state_dict
 from parm_trainer.training.checkpoint.files import DESCRIPTION, tokenizer_copy
 from parm_trainer.training.checkpoint.optimizer_state import step_for_empty_optimizers
 
@@ -87,7 +88,7 @@ def sharded_state(model, optimizer, scheduler, extra: dict, optimizer_metadata: 
     model_state = {}
     for index, chunk in enumerate(model):
         key = "model" if len(model) == 1 else f"model{index}"
-        state[key] = getattr(chunk, "module", chunk).sharded_state_dict()  # without DDP's prefix
+        state[key] = sharded_state_dict(getattr(chunk, "module", chunk))  # without DDP's prefix
         model_state[key] = state[key]  # nested: chunks share their local names
     if optimizer_metadata is not None:
         with step_for_empty_optimizers(optimizer):

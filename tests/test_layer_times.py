@@ -170,3 +170,20 @@ def test_measured_pieces_keep_selective_recomputes_time(tmp_path):
         assert measured[kind].forward_s == forward
         assert measured[kind].backward_s == pytest.approx(backward + again)
     assert measured["L"].backward_s == 40.0 and measured["E"].backward_s == 2.0
+
+
+def test_the_measured_output_piece_runs_the_mtp_layers(one_rank_world, as_a_rank, tmp_path,
+                                                       monkeypatch):
+    """The cost model folds the MTP layers into the output piece (model_cost.py): with
+    --mtp-num-layers the measured "L" runs megatron-core's MTP block, forward and backward."""
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+
+    calls = []
+    forward = MultiTokenPredictionBlock.forward
+    monkeypatch.setattr(MultiTokenPredictionBlock, "forward",
+                        lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    args = _model(tmp_path, "--mtp-num-layers", "1", "--position-embedding-type", "rope",
+                  "--untie-embeddings-and-output-weights")
+    seconds = layer_times.measure(args)
+    assert list(seconds) == ["E", "t", "m", "L"] and calls, calls
+    assert len(calls) == layer_times.WARMUP + layer_times.ROUNDS, calls

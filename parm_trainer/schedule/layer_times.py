@@ -115,11 +115,12 @@ def _pieces(args, kinds: list):
         return lambda x: layers[kind](hidden_states=x, attention_mask=None,
                                       rotary_pos_emb=rope)[0]
 
-    def head(x):
+    def head(x):  # the output layer and loss, after the MTP layers where the model has them
         x = model.decoder.final_layernorm(x)
         return model._postprocess(hidden_states=x, input_ids=tokens, position_ids=positions,
                                   labels=tokens, rotary_pos_emb=rope, rotary_pos_cos=None,
-                                  rotary_pos_sin=None).float().sum()
+                                  rotary_pos_sin=None,
+                                  mtp_in_postprocess=model.mtp_process).float().sum()
 
     def run(kind) -> tuple:
         x = hidden.clone().requires_grad_()

@@ -127,12 +127,6 @@ def _from_layout(layout: str, args) -> list:
                           f"| between stages, (...)*n and x*n to repeat") from None
     codes = ["".join(_LETTER[kind.name] for kind in stage) for stage in stages]
     flat = "".join(codes)
-    mtp = getattr(args, "mtp_num_layers", None) or 0
-    # megatron-core places them on any stage after the decoder; this stack, as its default
-    # placement, on the last one (their embedding copy's gradient is then the loss stage's)
-    _require(flat.count("m") == mtp and codes[-1].endswith("m" * mtp + "L"),
-             f"{shown} has {flat.count('m')} multi-token prediction layers (m); with "
-             f"--mtp-num-layers {mtp or 'none'} put {mtp} m right before L in the last stage")
     _require(len(codes) % pp == 0,
              f"{shown} has {len(codes)} stages, not a multiple of {PP} {pp}")
     _require(flat.count("t") == layers,
@@ -141,6 +135,12 @@ def _from_layout(layout: str, args) -> list:
              f"{shown}: E (the embedding) must come first in the first stage, once")
     _require(flat.count("L") == 1 and codes[-1].endswith("L"),
              f"{shown}: L (the loss) must come last in the last stage, once")
+    mtp = getattr(args, "mtp_num_layers", None) or 0
+    # megatron-core places them on any stage after the decoder; this stack, as its default
+    # placement, on the last one (their embedding copy's gradient is then the loss stage's)
+    _require(flat.count("m") == mtp and codes[-1].endswith("m" * mtp + "L"),
+             f"{shown} has {flat.count('m')} multi-token prediction layers (m); with "
+             f"--mtp-num-layers {mtp or 'none'} put {mtp} m right before L in the last stage")
     for index, code in enumerate(codes):
         # megatron builds an empty stage, but it would hold a rank only to pass activations on
         _require(bool(code), f"{shown}: stage {index} is empty; every stage needs a decoder "

@@ -132,7 +132,13 @@ NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
      "--moe-router-topk", "3"],
     [*NO_DROPOUT, "--position-embedding-type", "rope", "--mtp-num-layers", "2"],
     [*NO_DROPOUT, "--position-embedding-type", "rope", "--mtp-num-layers", "1", "--swiglu",
-     "--moe-layer-freq", "[1,0]", "--normalization", "RMSNorm"]])
+     "--moe-layer-freq", "[1,0]", "--normalization", "RMSNorm"],
+    [*NO_DROPOUT, "--position-embedding-type", "rope", "--multi-latent-attention",
+     "--q-lora-rank", "24", "--kv-lora-rank", "16", "--qk-head-dim", "12",
+     "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--normalization", "RMSNorm"],
+    [*NO_DROPOUT, "--position-embedding-type", "rope", "--multi-latent-attention",
+     "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8",
+     "--v-head-dim", "12", "--qk-layernorm", "--normalization", "RMSNorm", "--swiglu"]])
 def test_flops_and_activations_match_the_real_model(one_rank_world, extra):  # noqa: F811
     """Forward GEMM FLOPs against torch's FLOP counter, and the bytes autograd keeps for the
     backward (unique storages that are not parameters) against saved_tensors_hooks, on one

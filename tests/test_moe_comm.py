@@ -63,3 +63,25 @@ def test_group_of_none_is_identity_and_records_nothing():
     for op in ops:
         assert op(x) is x
     assert LEDGER.totals() == {}
+
+
+def test_the_exchange_takes_pieces_with_nothing_to_carry(monkeypatch):
+    """A piece of no token, and a relay hop that received no row over the link (every token
+    of the other node routed to that node's own experts, as a collapsed router does): the
+    masks and the in-node hop are shaped by their known widths (a view with -1 of no element
+    fails), and the hop sends nothing."""
+    from types import SimpleNamespace
+
+    from parm_trainer.moe import exchange
+
+    masks = exchange._masks(exchange.Routed(torch.zeros(0, 8), torch.zeros(0, 8)), 4,
+                            SimpleNamespace(nodes=2))
+    assert masks.goes.shape == (0, 4) and masks.hop_goes.shape == (0, 2)
+    assert masks.hop.shape == (0, 2, 4)
+    sent = []
+    monkeypatch.setattr(exchange.cu, "counts_of", lambda *a, **k: None)
+    monkeypatch.setattr(exchange.cu, "run", lambda x, *a: sent.append(x) or x)
+    piece = SimpleNamespace(fwd_send=[0, 0], fwd_recv=[0, 0])
+    relay = SimpleNamespace(per_node=2, position=0, intra=None)
+    rows, came_from = exchange._forward_in_node(torch.zeros(0, 8 + 2 * 3), piece, relay, 8)
+    assert rows.shape == (0, 8 + 3) and came_from.shape == (0,) and sent[0].shape == (0, 11)

@@ -84,13 +84,14 @@ class _Masks:
 
 
 def _masks(routed: Routed, ep: int, relay) -> _Masks:
-    n = routed.weights.shape[0]
+    # explicit widths, not -1: a piece may hold no token (n = 0)
+    n, experts = routed.weights.shape
     kept = routed.weights >= 0
-    goes = kept.view(n, ep, -1).any(dim=-1)
+    goes = kept.view(n, ep, experts // ep).any(dim=-1)
     if relay is None:
-        return _Masks(goes, goes, routed.weights.view(n, ep, -1), kept)
-    return _Masks(goes, goes.view(n, relay.nodes, -1).any(dim=-1),
-                  routed.weights.view(n, relay.nodes, -1), kept)
+        return _Masks(goes, goes, routed.weights.view(n, ep, experts // ep), kept)
+    return _Masks(goes, goes.view(n, relay.nodes, ep // relay.nodes).any(dim=-1),
+                  routed.weights.view(n, relay.nodes, experts // relay.nodes), kept)
 
 
 def _agree_counts(pieces: list, masks: _Masks, ep: int, esp: int, me_ep: int, me_esp: int,
@@ -184,7 +185,8 @@ def _forward_in_node(rows, piece, relay, hidden):
     """The relay's in-node hop: each row received over the link (M + R L wide) to each EP rank
     of this node whose experts it names, with that rank's L weights. Returns the rows this
     rank receives and, to sum the outputs back, the row each forwarded one came from."""
-    weights = rows[:, hidden:].view(rows.shape[0], relay.per_node, -1)
+    weights = rows[:, hidden:]  # (rows, R L), no -1: no row may have come over the link
+    weights = weights.view(rows.shape[0], relay.per_node, weights.shape[1] // relay.per_node)
     rank, row = _nonzero((weights >= 0).any(dim=-1).t(), sum(piece.fwd_send))
     payload = torch.cat([_at(rows.narrow(1, 0, hidden), row), _at(weights, row, rank)],
                         dim=-1)

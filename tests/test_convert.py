@@ -287,3 +287,37 @@ def test_transformers_4_loads_both_exports(exported, qwen2, gpt_data):
         assert old[directory]["class"] == name
         assert (torch.tensor(old[directory]["logits"]) - new).abs().max() <= 1e-5, directory
         assert old[directory]["ids"] == [sp.encode(text) for text in texts]
+
+
+def test_a_bf16_run_exports_in_bf16(gpt_data, tmp_path):
+    """A run trained with --bf16 keeps bf16 weights in its checkpoint: the export writes each
+    tensor in the dtype the checkpoint holds (not float32, twice the size), config.json says
+    bfloat16, the values are the checkpoint's bit for bit (read by torch's own checkpoint
+    reader), and transformers loads it with no missing or unexpected keys."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt, hf = tmp_path / "ckpt", tmp_path / "hf"
+    run = launch(1, tiny_gpt_args(gpt_data, **MIXTRAL_SHAPE, **{
+        "train-iters": 2, "bf16": True, "untie-embeddings-and-output-weights": True,
+        "save": ckpt}), tmp_path)
+    assert run.returncode == 0, run.output[-4000:]
+    result = convert("--loader", "parm", "--saver", "hf", "--load-dir", ckpt, "--save-dir", hf)
+    assert result.returncode == 0, result.stderr[-3000:]
+    tensors = {}
+    for shard in hf.glob("*.safetensors"):
+        tensors.update(load_file(shard))
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    assert json.loads((hf / "config.json").read_text())["dtype"] == "bfloat16"
+    path = str(ckpt / "iter_0000002")
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    stored = {key: torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
+              for key in ("embedding.word_embeddings.weight", "output_layer.weight")}
+    dcp.load(stored, checkpoint_id=path, no_dist=True)
+    for ours, theirs in (("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+                         ("output_layer.weight", "lm_head.weight")):
+        assert stored[ours].dtype == torch.bfloat16
+        vocab = tensors[theirs].shape[0]
+        assert torch.equal(stored[ours][:vocab], tensors[theirs]), ours
+    model, info = MixtralForCausalLM.from_pretrained(hf, output_loading_info=True)
+    assert not any(info.values()), info
+    assert model.dtype == torch.bfloat16

@@ -73,12 +73,18 @@ def export_to_hf(load_dir: str, save_dir: str,
             close()
         tokenizer_files.export(tokenizer, out)
         config = getattr(transformers, target.CONFIG_CLASS)
-        config(architectures=[target.TARGET.class_name],
-               **target.hf_config(args, vocab, tokenizer.bos, tokenizer.eos)).save_pretrained(out)
+        fields = {**target.hf_config(args, vocab, tokenizer.bos, tokenizer.eos),
+                  "dtype": trained_dtype(args)}  # the weights' dtype (a bf16 run's: bf16)
+        config(architectures=[target.TARGET.class_name], **fields).save_pretrained(out)
         _add_to_json(os.path.join(out, "config.json"), legacy_keys(args))
         transformers.GenerationConfig(bos_token_id=tokenizer.bos, eos_token_id=tokenizer.eos,
                                       pad_token_id=tokenizer.pad).save_pretrained(out)
     return target.TARGET.class_name
+
+
+def trained_dtype(args: dict) -> str:
+    """config.json's dtype: what the run trained its weights in (--bf16, --fp16, else fp32)."""
+    return "bfloat16" if args.get("bf16") else "float16" if args.get("fp16") else "float32"
 
 
 def _check_fits(model, path: str, load_dir: str) -> None:
@@ -111,12 +117,19 @@ def _write_weights(model, path: str, shape, target, vocab: int, out: str, max_by
     for layer, names in parts(model, max_bytes // 4):
         pieces.append((names, [] if layer is None or layer in seen else [layer]))
         seen.add(layer)
+    reader = CheckpointReader(path, model)
+    stored = reader.stored_dtypes()  # each tensor written in the dtype the checkpoint holds
+
+    def as_stored(tensors: dict) -> dict:
+        return {n: t.to(stored[n]) if n in stored else t for n, t in tensors.items()}
+
     plan = [(name, list(tensor.shape), tensor.dtype) for names, zeros_of in pieces
-            for name, tensor in to_hf({n: meta[n] for n in names}, shape, target, vocab,
-                                      zeros_of).items()]
-    writer, reader = ShardWriter(out, plan, max_bytes), CheckpointReader(path, model)
+            for name, tensor in to_hf(as_stored({n: meta[n] for n in names}), shape, target,
+                                      vocab, zeros_of).items()]
+    writer = ShardWriter(out, plan, max_bytes)
     for names, zeros_of in pieces:
-        for name, tensor in to_hf(reader.read(names), shape, target, vocab, zeros_of).items():
+        for name, tensor in to_hf(as_stored(reader.read(names)), shape, target, vocab,
+                                  zeros_of).items():
             writer.write(name, tensor)
     writer.close()
 

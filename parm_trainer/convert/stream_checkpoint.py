@@ -111,10 +111,29 @@ def _whole_rank(piece):
 
 class CheckpointReader:
     """Reads the named tensors of a meta-device model, as float32, from the checkpoint
-    directory path (an iteration directory) of any layout: read(names) -> {name: tensor}."""
+    directory path (an iteration directory) of any layout: read(names) -> {name: tensor};
+    stored_dtypes() -> {name: the dtype the checkpoint holds it in}."""
 
     def __init__(self, path: str, model):
         self.path, self.sharded = path, model.sharded_state_dict()
+
+    def stored_dtypes(self) -> dict:
+        """A bf16 run's checkpoint holds its weights in bf16 and megatron's fp32 buffers (the
+        expert bias) in fp32: each tensor's dtype from the checkpoint's metadata (a factory's,
+        such as SwiGLU's split fc1, from the first key it stores under its own)."""
+        from torch.distributed.checkpoint import FileSystemReader
+
+        stored = {key: getattr(meta, "properties", None) for key, meta in
+                  FileSystemReader(self.path).read_metadata().state_dict_metadata.items()}
+        out = {}
+        for name, item in self.sharded.items():
+            if isinstance(item, ShardedObject):
+                continue
+            key = item.key
+            found = stored.get(key) or next((v for k, v in stored.items()
+                                             if k.startswith(key) and v is not None), None)
+            out[name] = getattr(found, "dtype", None) or torch.float32
+        return out
 
     def read(self, names) -> dict:
         request, out, meta = {}, {}, {}

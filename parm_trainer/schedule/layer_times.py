@@ -161,27 +161,10 @@ def measured_layer_times(args, log=print) -> dict:
     """args.layer_times for the stage builder: {"seconds": {kind: [forward, backward]},
     "layout", "source"}, from the cache or measured now and cached. Collective: every rank
     calls it, with the process groups up and the MoE schedule settled."""
-    key, path = _key(args), tune.cache_path(args)
-    rank0 = torch.distributed.get_rank() == 0
-    cached = [tune.read_cached(path, key, _valid) if rank0 and path else None]
-    torch.distributed.broadcast_object_list(cached, src=0)
-    entry, source = cached[0], f"cached in {path}"
-    if entry is None:
-        start = time.perf_counter()
-        entry = {"seconds": measure(args), "layout": layout_of(args),
-                 "when": time.strftime("%Y-%m-%d %H:%M:%S")}
-        source = f"measured now in {time.perf_counter() - start:.1f} s"
-        if rank0 and path:
-            try:
-                mine, entry = entry, tune.write_cached(path, key, entry, _valid)
-                source += (f", cached in {path}" if entry is mine else
-                           f"; another job's measurement in {path} is used")
-            except OSError as error:
-                source += f" (not cached: {error.strerror} for {path})"
-        if path:  # rank 0's entry, the cache's where another job wrote first
-            shared = [entry, source]
-            torch.distributed.broadcast_object_list(shared, src=0)
-            entry, source = shared
+    entry, source = tune.cached_or_measured(
+        tune.cache_path(args), _key(args),
+        lambda: {"seconds": measure(args), "layout": layout_of(args),
+                 "when": time.strftime("%Y-%m-%d %H:%M:%S")}, _valid)
     times = ", ".join(f"{k} {f * 1e3:.2f}+{b * 1e3:.2f}" for k, (f, b) in entry["seconds"].items())
     log(f"layer times for the stage builder, forward+backward ms per micro-batch: {times} "
         f"({source})")

@@ -29,6 +29,7 @@ import random
 import socket
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -321,6 +322,35 @@ def _measure_overlap(args, best) -> dict:
             "shared_overlap_ms": [round(before * 1e3, 3), round(overlapped * 1e3, 3)]}
 
 
+def cached_or_measured(path, key: str, measure: Callable[[], dict], valid=_valid,
+                       measured: str = "measured now") -> tuple:
+    """(entry, where it came from for the log): the cache's entry for key, which rank 0 reads
+    and every rank gets, or measure() now (every rank), written to the cache by rank 0 (where
+    another job wrote the same key meanwhile, its entry wins, for every rank) and shared.
+    Collective: every rank calls it."""
+    rank0 = torch.distributed.get_rank() == 0
+    cached = [read_cached(path, key, valid) if rank0 and path else None]
+    torch.distributed.broadcast_object_list(cached, src=0)
+    if cached[0] is not None:
+        return cached[0], f"cached in {path}"
+    start = time.perf_counter()
+    entry = measure()
+    source = f"{measured} in {time.perf_counter() - start:.1f} s"
+    if rank0 and path:
+        try:
+            mine, entry = entry, write_cached(path, key, entry, valid)
+            source += (f", cached in {path}" if entry is mine else
+                       f"; another job cached its own measurement in {path} meanwhile, "
+                       "which is used")
+        except OSError as error:
+            source += f" (not cached: {error.strerror} for {path})"
+    if path:  # rank 0's entry, the cache's where another job wrote first
+        shared = [entry, source]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        entry, source = shared
+    return entry, source
+
+
 def tune_at_startup(args, log=print) -> None:
     """Resolve what auto.resolve_auto_schedule left to measure (args.moe_parm_tune_candidates):
     from the cache, or measured now and cached. Collective: every rank calls it."""
@@ -332,13 +362,7 @@ def tune_at_startup(args, log=print) -> None:
 
         raise LayoutError(f"--moe-parm-schedule {args.moe_parm_schedule}: none of "
                          f"{args.moe_parm_tune_candidates} can run this layout")
-    key, path = _key(args, candidates), cache_path(args)
-    rank0 = torch.distributed.get_rank() == 0
-    cached = [read_cached(path, key) if rank0 and path else None]
-    torch.distributed.broadcast_object_list(cached, src=0)
-    entry, source = cached[0], f"cached in {path}"
-    if entry is None:
-        start = time.perf_counter()
+    def measure() -> dict:
         with timing_layers(args):
             measured, run_off = _measure(args, candidates)
         best = min(measured, key=measured.get)
@@ -348,19 +372,10 @@ def tune_at_startup(args, log=print) -> None:
                  "when": time.strftime("%Y-%m-%d %H:%M:%S")}
         if _overlap_open(args):
             entry.update(_measure_overlap(args, best))
-        source = f"measured at start-up in {time.perf_counter() - start:.1f} s"
-        if rank0 and path:
-            try:
-                mine, entry = entry, write_cached(path, key, entry)
-                source += (f", cached in {path}" if entry is mine else
-                           f"; another job cached its own measurement in {path} meanwhile, "
-                           "which is used")
-            except OSError as error:
-                source += f" (not cached: {error.strerror} for {path})"
-        if path:  # rank 0's entry, the cache's where another job wrote first
-            shared = [entry, source]
-            torch.distributed.broadcast_object_list(shared, src=0)
-            entry, source = shared
+        return entry
+
+    entry, source = cached_or_measured(cache_path(args), _key(args, candidates), measure,
+                                       measured="measured at start-up")
     name, r, local = entry["choice"]
     times = ", ".join(f"{c} {ms:.2f} ms" for c, ms in entry["measured_ms"].items())
     run_off = entry.get("run_off")

@@ -13,7 +13,7 @@ import datetime
 import os
 
 import torch
-from parm_trainer import node_relay
+from parm_trainer import node_reduce, node_relay
 
 
 
@@ -58,6 +58,7 @@ def initialize_distributed(args: argparse.Namespace, stages=None) -> None:
     consecutive_subgroup(1)
     consecutive_subgroup(torch.distributed.get_world_size() // args.pipeline_model_parallel_size)
     node_relay.build(args)
+    node_reduce.build(args)
     _RECORDED["stages"] = stages
 
 
@@ -105,6 +106,7 @@ def reset_model_parallel() -> None:
     _SUBGROUPS.clear()
     _RECORDED.clear()
     node_relay.reset()
+    node_reduce.reset()
     if torch.distributed.is_initialized():
         world = torch.distributed.group.WORLD
         for group in list(torch.distributed.distributed_c10d._world.pg_map):
@@ -119,5 +121,6 @@ def destroy_distributed() -> None:
     _SUBGROUPS.clear()
     _RECORDED.clear()
     node_relay.reset()
+    node_reduce.reset()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -230,6 +230,13 @@ def _parallel_group(parser):
                    help="Ranks on each node, numbered node by node (default: LOCAL_WORLD_SIZE "
                         "as torchrun sets it, else one node); the exact MoE exchange relays "
                         "through nodes with it.")
+    g.add_argument("--no-grad-reduce-by-node", action="store_false", dest="grad_reduce_by_node",
+                   help="On gloo, all-reduce data-parallel gradients in gloo's one ring over "
+                        "the group instead of node by node (the default where the group spans "
+                        "nodes with the same ranks on each: summed inside each node, across the "
+                        "nodes by one R-th per rank, sent back inside the node; the link then "
+                        "carries 2(N-1)/N of the bytes instead of 2(D-1)/D; NCCL does as much "
+                        "itself).")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="The process groups' timeout for a collective (fractions allowed: "
                         "0.5 = 30 s).")

@@ -21,6 +21,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from parm_trainer.moe.layer import ParmMoELayer
+from parm_trainer.training.node_buckets import bucket_reducer
 
 
 def moe_blocks(module: torch.nn.Module) -> list:
@@ -39,6 +40,7 @@ class PacedBucket:
         self.pieces = list(self.bucket.grad_data.view(-1).tensor_split(len(blocks)))
         self.op = (torch.distributed.ReduceOp.AVG if bucket_group.ddp_config.average_in_collective
                    else torch.distributed.ReduceOp.SUM)  # as megatron-core's
+        self.by_node = bucket_reducer(bucket_group)  # or gloo's flat ring (None)
         self.handles = []
         self.launched = None  # pieces launched in this sync; None: no sync under way
         bucket_group.start_grad_sync = self.start
@@ -77,9 +79,11 @@ class PacedBucket:
             self._launch()
 
     def _launch(self) -> None:
-        self.handles.append(torch.distributed.all_reduce(
-            self.pieces[self.launched], op=self.op, group=self.group.data_parallel_group,
-            async_op=True))
+        piece = self.pieces[self.launched]
+        self.handles.append(
+            self.by_node.all_reduce(piece, async_op=True) if self.by_node is not None else
+            torch.distributed.all_reduce(piece, op=self.op, group=self.group.data_parallel_group,
+                                         async_op=True))
         self.launched += 1
 
     def wait(self) -> None:

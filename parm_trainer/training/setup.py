@@ -15,6 +15,7 @@ from parm_trainer.models.init import init_weights_layout_free
 from parm_trainer.moe.layer import expert_comm_explicit, mlp_recompute_to_parm
 from parm_trainer.training.lr_schedule import build_scheduler
 from parm_trainer.training import loss_scale
+from parm_trainer.training.node_buckets import ByNode
 from parm_trainer.training.paced_reduction import PacedBucket
 from parm_trainer.training.tied_embedding import (
     TiedEmbeddingGrad, bucket_size_isolating, tied_word_embedding)
@@ -112,6 +113,7 @@ def build_model(args, config: TransformerConfig, model_provider: ModelProvider) 
         model.tied_embedding = TiedEmbeddingGrad.attach(model)
         if model.tied_embedding is not None:
             model.paced_embedding = PacedBucket.attach(model, model.tied_embedding.weight)
+        ByNode.attach(model, skip=[model.paced_embedding.group] if model.paced_embedding else [])
         model.broadcast_params()
         chunks.append(model)
     return chunks

@@ -440,6 +440,19 @@ def _alone_when_asked(request, tmp_path_factory):
         yield
 
 
+@pytest.fixture(autouse=True)
+def _megatron_loss_trackers_cleared():
+    """megatron-core's MoE and MTP loss trackers are process globals sized by the first model
+    that logs into them: a test's model of more layers would index past an earlier test's."""
+    yield
+    if "megatron.core.transformer.moe.moe_utils" in sys.modules:
+        from megatron.core.transformer.moe import moe_utils
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+        MTPLossLoggingHelper.tracker.clear()
+
+
 # test files that compare the machine's network namespaces and links, or its slurm daemons,
 # before and after: never two tests of one file at once (pytest -n). (xdist's own xdist_group
 # does not group under this pytest: its node-id suffix is lost.)

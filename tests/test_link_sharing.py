@@ -379,3 +379,24 @@ def test_calibration_puts_one_and_a_nodes_worth_of_flows_on_each_link():
     assert flow_groups(4, 2, 1) == [[0, 2]] and link_flows(flow_groups(4, 2, 1), 2) == 1
     assert link_flows(flow_groups(8, 4, 4), 4) == 4
     assert link_flows(flow_groups(12, 4, 4), 4) == 4  # rings of 3 nodes: one edge out per rank
+
+
+def test_planner_prices_gradients_reduced_node_by_node():
+    """On gloo, a DP group over 2 nodes of 2 is priced as node_reduce.py runs it: an all-reduce
+    inside each node, then one of half the bytes between the nodes (two pairs leave a node at
+    once: 2 flows on its link), against the ring's 2 (D-1)/D of the bytes on one flow; with
+    --no-grad-reduce-by-node or NCCL, the ring."""
+    from parm_trainer.planning.model_cost import ModelCost
+
+    profile, nbytes = _profile(node_links=1), 1e6
+    cost = ModelCost(_demo_args(1), profile)
+    assert cost.args.distributed_backend == "gloo"
+    assert cost.gradient_all_reduce_s(nbytes, 4, 1) == pytest.approx(
+        nbytes * 1e-10 + nbytes / 2 * 2e-8)
+    ring = nbytes * 2 * 3 / 4 * 1e-8
+    assert ModelCost(_demo_args(1, ["--no-grad-reduce-by-node"]), profile) \
+        .gradient_all_reduce_s(nbytes, 4, 1) == pytest.approx(ring)
+    nccl = ModelCost(_demo_args(1, ["--distributed-backend", "nccl"]), profile)
+    assert nccl.gradient_all_reduce_s(nbytes, 4, 1) == pytest.approx(ring)
+    # one rank per node in each group (DP pairs across nodes): nothing to sum inside a node
+    assert cost.gradient_all_reduce_s(nbytes, 2, 2) == pytest.approx(nbytes * 2e-8)

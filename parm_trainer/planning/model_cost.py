@@ -32,7 +32,8 @@ from parm_trainer.mla_flags import attention_sizes
 from parm_trainer.moe.cost_model import CHUNK_CHOICES, plan_cost, sent_bytes, shape_plan
 from parm_trainer.moe.cost_profile import Profile
 from parm_trainer.moe.grouped_experts import applies_to_run
-from parm_trainer.moe.link_sharing import link_flows
+from parm_trainer.moe.link_sharing import link_flows, tiled_groups
+from parm_trainer import node_relay
 from parm_trainer.planning import recompute_cost
 from parm_trainer.planning.measured_cost import priced_with_times
 
@@ -373,11 +374,29 @@ class ModelCost:
         """The DP all-reduce of a stage's fp32 gradients (dense over DP, experts over the
         expert-data-parallel group), then the optimizer's pass over the parameters."""
         a = self.args
-        dense = self.coll("allreduce", (params - expert_params) * 4, self.dp, self.tp)
-        experts = self.coll("allreduce", expert_params * 4,
-                            self.edp, a.expert_model_parallel_size * a.expert_tensor_parallel_size)
+        dense = self.gradient_all_reduce_s((params - expert_params) * 4, self.dp, self.tp)
+        experts = self.gradient_all_reduce_s(
+            expert_params * 4, self.edp, a.expert_model_parallel_size * a.expert_tensor_parallel_size)
         optimizer = self.traffic(params * 32)  # fp32 weight, grad, two moments: read + write
         return dense + experts + optimizer
+
+    def gradient_all_reduce_s(self, nbytes: float, size: int, stride: int) -> float:
+        """The DP groups' all-reduce of nbytes: gloo's ring, or where it goes node by node
+        (node_reduce.py: gloo, each group over N >= 2 nodes with R >= 2 ranks on each) an
+        all-reduce inside each node (its reduce and broadcast move as many bytes) and one of
+        nbytes / R across the nodes."""
+        a, per_node = self.args, self.profile.gpus_per_node
+        groups = tiled_groups(size, stride, per_node) if size > 1 else []
+        by_node = (getattr(a, "distributed_backend", None) == "gloo"
+                   and getattr(a, "grad_reduce_by_node", True) and groups
+                   and node_relay.layout(groups, per_node))
+        if not by_node:
+            return self.coll("allreduce", nbytes, size, stride)
+        nodes, per = by_node
+        intra = [g[n * per:(n + 1) * per] for g in groups for n in range(nodes)]
+        inter = [g[p::per] for g in groups for p in range(per)]
+        return (self.coll("allreduce", nbytes, per, groups=intra)
+                + self.coll("allreduce", nbytes / per, nodes, groups=inter))
 
     def state_parts(self, params: float, expert_params: float = 0.0) -> tuple:
         """(parameters and their fp32 gradients, optimizer state) of params (expert_params of

@@ -21,6 +21,7 @@ groups built here, so every rank issues their collectives in the same order.
 
 from __future__ import annotations
 
+import datetime
 import queue
 import threading
 from dataclasses import dataclass
@@ -105,6 +106,7 @@ def build(args) -> None:
             or torch.distributed.get_world_size() == 1:
         return
     per_node = node_relay.ranks_per_node(args)
+    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)  # as megatron's groups
     found = {}
     for dp in (parallel_state.get_data_parallel_group(),
                parallel_state.get_expert_data_parallel_group()):
@@ -119,9 +121,10 @@ def build(args) -> None:
         for ranks in groups:
             ranks, key = sorted(ranks), ranks  # torchrun fills nodes in rank order
             on_node = [ranks[n * per:(n + 1) * per] for n in range(nodes)]
-            inter = [torch.distributed.new_group([node[p] for node in on_node])
+            inter = [torch.distributed.new_group([node[p] for node in on_node], timeout=timeout)
                      for p in range(per)]
-            intra = [torch.distributed.new_group(list(node)) for node in on_node]
+            intra = [torch.distributed.new_group(list(node), timeout=timeout)
+                     for node in on_node]
             if list(key) == mine:
                 me = ranks.index(torch.distributed.get_rank())
                 found[key] = NodeReduce(per, me % per, intra[me // per],

@@ -2,9 +2,10 @@
 
 gloo's all-reduce is one ring over the group's ranks in rank order: with D ranks on N nodes,
 each node's link carries 2 (D-1)/D of the tensor's bytes each way (1.75 x on 2 x 4). Node by
-node, the rank at position p of a node first sums the node's p-th R-th of the tensor (reduce
-inside the node), all-reduces it with the ranks at position p on the other nodes (the link: 2
-(N-1)/N of the bytes in all, 1.0 x on 2 x 4), and sends it back to its node (broadcast). NCCL's
+node, the rank at position p of a node gets the p-th R-th of the tensor from each rank of its
+node (an AlltoAll inside the node) and sums them, all-reduces the sum with the ranks at position
+p on the other nodes (the link: 2 (N-1)/N of the bytes in all, 1.0 x on 2 x 4), and the node's
+ranks gather the R sums (an AllGather inside the node). NCCL's
 tree does as much over the nodes on GPUs; this is gloo's (CPU clusters, the emulated cluster).
 The sums are every rank's gradient summed in another order (fp32 rounding, nothing else).
 
@@ -39,7 +40,6 @@ class NodeReduce:
     position: int  # this rank's position among them
     intra: object  # the group's ranks on this node, in group order
     inter: object  # the group's ranks at this position on every node
-    heads: tuple   # global rank of each position on this node
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
         """Sum tensor (contiguous float32) over the group, in place."""
@@ -49,13 +49,19 @@ class NodeReduce:
         return _worker().submit(self._reduce, tensor)
 
     def _reduce(self, tensor: torch.Tensor) -> None:
-        pieces = tensor.view(-1).tensor_split(self.per_node)
-        dist = torch.distributed
-        for piece, head in zip(pieces, self.heads):
-            dist.reduce(piece, dst=head, group=self.intra)
-        dist.all_reduce(pieces[self.position], group=self.inter)
-        for piece, head in zip(pieces, self.heads):
-            dist.broadcast(piece, src=head, group=self.intra)
+        dist, per = torch.distributed, self.per_node
+        flat = tensor.view(-1)
+        even = flat.numel() // per * per
+        body, tail = flat[:even], flat[even:]
+        if even:  # rank p gets every node rank's p-th share (one AlltoAll), sums it, ...
+            shares = torch.empty_like(body)
+            dist.all_to_all_single(shares, body, group=self.intra)
+            mine = shares.view(per, -1).sum(0)
+            dist.all_reduce(mine, group=self.inter)  # ... over the nodes, and gathers the sums
+            dist.all_gather_into_tensor(body, mine, group=self.intra)
+        if tail.numel():  # fewer elements than ranks on a node
+            dist.all_reduce(tail, group=self.intra)
+            dist.all_reduce(tail, group=self.inter)
 
 
 class _Handle:
@@ -127,8 +133,7 @@ def build(args) -> None:
                      for node in on_node]
             if list(key) == mine:
                 me = ranks.index(torch.distributed.get_rank())
-                found[key] = NodeReduce(per, me % per, intra[me // per],
-                                                inter[me % per], on_node[me // per])
+                found[key] = NodeReduce(per, me % per, intra[me // per], inter[me % per])
     _STATE["groups"] = found
 
 

@@ -5,9 +5,9 @@ each node's link carries 2 (D-1)/D of the tensor's bytes each way (1.75 x on 2 x
 node, the rank at position p of a node gets the p-th R-th of the tensor from each rank of its
 node (an AlltoAll inside the node) and sums them, all-reduces the sum with the ranks at position
 p on the other nodes (the link: 2 (N-1)/N of the bytes in all, 1.0 x on 2 x 4), and the node's
-ranks gather the R sums (an AllGather inside the node). NCCL's
-tree does as much over the nodes on GPUs; this is gloo's (CPU clusters, the emulated cluster).
-The sums are every rank's gradient summed in another order (fp32 rounding, nothing else).
+ranks gather the R sums (an AllGather inside the node). NCCL's tree does as much over the nodes
+on GPUs; this is gloo's (CPU clusters, the emulated cluster). The sums are every rank's
+gradient summed in another order (fp32 rounding, nothing else).
 
 It applies on the gloo backend to a data-parallel group (dense or expert) spanning N >= 2 nodes
 with the same R >= 2 of its ranks on each (node_relay.layout), for megatron-core's float32 SUM

@@ -38,7 +38,7 @@ _STATE: dict = {}
 class NodeReduce:
     per_node: int  # R: the group's ranks on each node
     position: int  # this rank's position among them
-    intra: object  # the group's ranks on this node, in group order
+    intra: object  # the group's ranks on this node (rank order: position p is group rank p)
     inter: object  # the group's ranks at this position on every node
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):

@@ -375,16 +375,17 @@ class ModelCost:
         expert-data-parallel group), then the optimizer's pass over the parameters."""
         a = self.args
         dense = self.gradient_all_reduce_s((params - expert_params) * 4, self.dp, self.tp)
-        experts = self.gradient_all_reduce_s(
-            expert_params * 4, self.edp, a.expert_model_parallel_size * a.expert_tensor_parallel_size)
+        experts = self.gradient_all_reduce_s(expert_params * 4, self.edp,
+                                             a.expert_model_parallel_size
+                                             * a.expert_tensor_parallel_size)
         optimizer = self.traffic(params * 32)  # fp32 weight, grad, two moments: read + write
         return dense + experts + optimizer
 
     def gradient_all_reduce_s(self, nbytes: float, size: int, stride: int) -> float:
         """The DP groups' all-reduce of nbytes: gloo's ring, or where it goes node by node
         (node_reduce.py: gloo, each group over N >= 2 nodes with R >= 2 ranks on each) an
-        all-reduce inside each node (its reduce and broadcast move as many bytes) and one of
-        nbytes / R across the nodes."""
+        all-reduce inside each node (its AlltoAll and AllGather move a ring all-reduce's
+        bytes) and one of nbytes / R across the nodes."""
         a, per_node = self.args, self.profile.gpus_per_node
         groups = tiled_groups(size, stride, per_node) if size > 1 else []
         by_node = (getattr(a, "distributed_backend", None) == "gloo"

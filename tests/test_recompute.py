@@ -56,7 +56,7 @@ def model_flags(data, prefix, **overrides) -> list:
              "ffn-hidden-size": 64, "micro-batch-size": 2, "global-batch-size": 4, "lr": 1e-3,
              "lr-warmup-iters": 0, "train-iters": 3, "log-interval": 1, "eval-iters": 0,
              "hidden-dropout": 0.1, "attention-dropout": 0.1, "split": "90,5,5", "seed": 1234,
-             "moe-aux-loss-coeff": 0.01, "moe-parm-schedule": "s1",
+             "moe-aux-loss-coeff": 0.01, "moe-parm-schedule": "s1", "moe-parm-chunks": 1,
              "moe-parm-tune-cache": "none", "data-path": prefix,
              "tokenizer-model": data["tokenizer"]}
     flags.update(overrides)
@@ -141,7 +141,8 @@ def test_each_choice_matches_on_four_ranks_and_moe_recompute_sends_nothing_more(
         "seq-length": 64, "max-position-embeddings": 64})
     runs = (runs_of("s1", "gpt", gpt(), ["none", "full_uniform", "full_block", "dense_modules",
                                          "moe", "moe_layer_recompute"])
-            + runs_of("s2", "gpt", gpt(**{"moe-parm-schedule": "s2"}), ["none", "moe"])
+            + runs_of("s2", "gpt", gpt(**{"moe-parm-schedule": "s2",
+                                          "moe-shared-expert-overlap": True}), ["none", "moe"])
             + runs_of("baseline", "gpt", gpt(**{"moe-parm-schedule": "baseline"}),
                       ["none", "moe"])
             + runs_of("megatron", "gpt", gpt(**{"moe-parm-schedule": "megatron"}),

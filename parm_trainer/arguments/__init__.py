@@ -17,7 +17,9 @@ argparse.Namespace with derived fields filled in (data-parallel size, number of 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import sys
 from typing import Optional, Sequence
 
 import torch
@@ -38,7 +40,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, extra_args_provider=None,
     """Parse flags and fill in defaults that depend on other flags and the world size.
     override(args, given) -> lines to log: changes the parsed values before the defaults that
     depend on them (given: the flags on the command line, as attribute names)."""
-    args = build_parser(extra_args_provider).parse_args(argv)
+    args = _parser(extra_args_provider, sys.argv[0]).parse_args(argv)
     overridden = override(args, given_flags(argv, extra_args_provider)) if override else []
     args.world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if args.ffn_hidden_size is None:  # `is None`: a 0 given is refused, not replaced
@@ -71,6 +73,15 @@ def parse_args(argv: Optional[Sequence[str]] = None, extra_args_provider=None,
     check(args)
     settle_recompute(args)
     return args
+
+
+@functools.lru_cache(maxsize=8)
+def _parser(extra_args_provider, program: str) -> argparse.ArgumentParser:
+    """build_parser's parser, built once per entry point and program name (its usage names
+    sys.argv[0]) and reused: argparse parses with one parser any number of times, and every
+    default is immutable. Building it costs ten times the parse (a benchmark or test
+    worker parses the flags of hundreds of layers)."""
+    return build_parser(extra_args_provider)
 
 
 def given_flags(argv, extra_args_provider=None) -> set:

@@ -30,28 +30,40 @@ pytestmark = pytest.mark.skipif(not _netns_works(),
                                 reason="needs root and iproute2 network namespaces")
 
 
-def _leftovers(tag_prefix="pt"):
-    """Namespaces, links and /etc/netns entries that look like the tool's."""
+def _leftovers(tag):
+    """Namespaces, links and /etc/netns entries of the tool's run that named them with `tag`
+    (netns.Cluster's names: the tag, then br, nN, vN or hN), not another run's beside it (a
+    tag is pt and a process id)."""
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    ours = [n for n in names if n.startswith(tag_prefix)]
-    ours += [line.split(":")[1].strip().split("@")[0] for line in links.splitlines()
-             if line.split(":")[1].strip().startswith(tag_prefix)]
+    ours = list(names)
+    ours += [line.split(":")[1].strip().split("@")[0] for line in links.splitlines()]
     if os.path.isdir("/etc/netns"):
-        ours += [n for n in os.listdir("/etc/netns") if n.startswith(tag_prefix)]
-    return ours
+        ours += os.listdir("/etc/netns")
+    return [name for name in ours if re.fullmatch(rf"{tag}(\D.*)?", name)]
+
+
+def _tag(tool) -> str:
+    """The names the tool's process gives its cluster (netns.Cluster's default tag)."""
+    return f"pt{tool.pid % 100000}"
 
 
 def emulated(command, tmp_path, *flags, timeout=300):
-    before = set(_leftovers())
-    run = subprocess.run([sys.executable, str(TOOL), "--nodes", "2", "--procs-per-node", "2",
-                          "--log-dir", str(tmp_path / "logs"), "--master-port", str(free_port()),
-                          "--grace", "10", *flags, "--", *command],
-                         cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    return run, sorted(set(_leftovers()) - before)
+    """The tool's run (as subprocess.run gives it) and what is left of its cluster."""
+    argv = [sys.executable, str(TOOL), "--nodes", "2", "--procs-per-node", "2", "--log-dir",
+            str(tmp_path / "logs"), "--master-port", str(free_port()), "--grace", "10", *flags,
+            "--", *command]
+    with subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}) as tool:
+        try:
+            out, err = tool.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            tool.kill()
+            raise
+    return subprocess.CompletedProcess(argv, tool.returncode, out, err), _leftovers(_tag(tool))
 
 
+@pytest.mark.light  # both nodes end within the watchdog's limit plus 10 s
 def test_two_nodes_train_like_one_and_survive_a_failed_link(gpt_data, tmp_path):
     """TP2 x EP2 x ESP2 + SP: MP and ESP inside a node, EP across the shaped link. Node 1's link
     goes down as iteration 4 is logged: both nodes end within the watchdog's limit plus 10 s.
@@ -92,6 +104,7 @@ def test_two_nodes_train_like_one_and_survive_a_failed_link(gpt_data, tmp_path):
     assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < 1e-5, (got, want)
 
 
+@pytest.mark.light  # every rank ends within 40 s of the stop
 @pytest.mark.parametrize("repeat", range(int(os.environ.get("PARM_STOP_REPEATS", "1"))))
 def test_a_node_stopped_from_outside_ends_the_job_with_one_line(gpt_data, tmp_path, repeat):
     """Node 1's ranks (2 and 3) stopped with SIGSTOP from outside after a random iteration
@@ -157,7 +170,6 @@ def test_signals_during_teardown_do_not_cut_it_short(tmp_path):
     tool twice does): the first signal starts the teardown, the others must not interrupt it."""
     script = tmp_path / "sleep.py"
     script.write_text("import time\ntime.sleep(120)\n")
-    before = set(_leftovers())
     tool = subprocess.Popen([sys.executable, str(TOOL), "--nodes", "2", "--procs-per-node", "1",
                              "--log-dir", str(tmp_path / "logs"), "--master-port",
                              str(free_port()), "--", str(script)],
@@ -169,4 +181,4 @@ def test_signals_during_teardown_do_not_cut_it_short(tmp_path):
     _, err = tool.communicate(timeout=60)
     assert tool.returncode == 130, err
     assert "interrupted; removed the emulated cluster" in err
-    assert sorted(set(_leftovers()) - before) == []
+    assert _leftovers(_tag(tool)) == []

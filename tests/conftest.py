@@ -257,7 +257,7 @@ def launch_sh_until(nproc: int, args: list, pattern: str = None, then=None,
            "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
     job = subprocess.Popen(["bash", "scripts/launch.sh", "pretrain_gpt_moe.py", *map(str, args)],
                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, env=env)
+                           text=True, env=env, start_new_session=True)
     lines, matched, deadline = [], None, time.monotonic() + timeout
     try:
         for line in _lines_until_the_end(job, deadline):
@@ -267,8 +267,10 @@ def launch_sh_until(nproc: int, args: list, pattern: str = None, then=None,
                 then(matched, launcher, [rank for rank in launcher.children()
                                          if "pretrain_gpt_moe.py" in " ".join(rank.cmdline())])
         job.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        job.kill()
+    finally:  # the ranks too (its process group), not only the launcher, past the timeout
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
     return job.returncode, "".join(lines)
 
 

@@ -21,8 +21,9 @@ import psutil
 import pytest
 from torchrun_server import RENDEZVOUS_HUNG
 
-# fixtures kept in modules of their own: the data sets, and what the bad-input tests share
-pytest_plugins = ["data_fixtures", "bad_input_fixtures", "world_fixtures"]
+# fixtures kept in modules of their own: the data sets, what the bad-input tests share, and
+# how the tests share the machine under pytest -n
+pytest_plugins = ["data_fixtures", "bad_input_fixtures", "world_fixtures", "sharing_fixtures"]
 
 ROOT = Path(__file__).resolve().parents[1]
 # auto's start-up measurements (parm_trainer/schedule/tune.py) in one cache for the whole
@@ -410,36 +411,6 @@ def _function_launches(function) -> bool:
 def pytest_configure(config):
     config.addinivalue_line("markers", "launches: starts processes (found from the test's code; "
                                        "make test-fast leaves these out)")
-    config.addinivalue_line("markers", "alone: times something against the machine's own "
-                                       "speed; under pytest -n no other test runs meanwhile")
-    config.addinivalue_line("markers", "one_at_a_time(name): compares machine state before and "
-                                       "after; under pytest -n never two of one name at once")
-
-
-@pytest.fixture(autouse=True)
-def _alone_when_asked(request, tmp_path_factory):
-    """Under pytest -n (make test): a test marked `alone` waits for the other workers' tests
-    to end and keeps them from starting until it ends (an exclusive lock; the others share it);
-    the turnstile keeps a waiting `alone` test from being passed by the others forever. Tests
-    marked one_at_a_time(NAME) run while others do, never two of one NAME at once."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        yield
-        return
-    import fcntl
-
-    shared = tmp_path_factory.getbasetemp().parent  # the workers' common pytest-N folder
-    alone = request.node.get_closest_marker("alone") is not None
-    one = request.node.get_closest_marker("one_at_a_time")
-    with contextlib.ExitStack() as held:
-        if one:
-            fcntl.flock(held.enter_context(open(shared / f"{one.args[0]}.lock", "a")),
-                        fcntl.LOCK_EX)
-        turnstile = held.enter_context(open(shared / "turnstile.lock", "a"))
-        room = held.enter_context(open(shared / "room.lock", "a"))
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        fcntl.flock(room, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        fcntl.flock(turnstile, fcntl.LOCK_UN)
-        yield
 
 
 @pytest.fixture(autouse=True)
@@ -453,17 +424,6 @@ def _megatron_loss_trackers_cleared():
 
         moe_utils.get_moe_layer_wise_logging_tracker().clear()
         MTPLossLoggingHelper.tracker.clear()
-
-
-# test files that compare the machine's network namespaces and links, or its slurm daemons,
-# before and after: never two tests of one file at once (pytest -n). (xdist's own xdist_group
-# does not group under this pytest: its node-id suffix is lost.)
-SHARED_MACHINE_STATE = {"test_emulated_cluster.py": "netns", "test_slurm.py": "slurm"}
-
-
-def pytest_itemcollected(item):
-    if (name := SHARED_MACHINE_STATE.get(Path(item.fspath).name)) is not None:
-        item.add_marker(pytest.mark.one_at_a_time(name))
 
 
 def pytest_collection_modifyitems(items):

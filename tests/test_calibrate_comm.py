@@ -120,7 +120,8 @@ def test_inter_alltoall_beta_is_per_byte_that_crosses(tmp_path, capsys):
 def test_wait_at_a_call_is_measured_in_each_nodes_group(tmp_path):
     """On 2 nodes x 2 ranks the wait is measured in the groups where MP collectives run (each
     node's ranks, both at once), not across the node link: 3 collectives x 3 stretches of
-    compute per round (the longest several times the shortest). The same launch times a
+    compute per round (the longest longer than the shortest: a timing, kept weak; their
+    lengths are test_stretches_are_whole_gemms_of_the_fastest_ranks_unit's). The same launch times a
     send from the first node to the second back to back and after a pause at every size
     (none on one node)."""
     from conftest import free_port, torchrun
@@ -130,6 +131,16 @@ def test_wait_at_a_call_is_measured_in_each_nodes_group(tmp_path):
     assert "groups [[[0, 1], [2, 3]]] points 18 ok True stretches True" in output
     from parm_trainer.bench.calibration.waits import BURST_SIZES
     assert f"burst sizes {list(BURST_SIZES)} timed True one node []" in output
+
+
+def test_stretches_are_whole_gemms_of_the_fastest_ranks_unit():
+    """Each stretch repeats the GEMM to its target length, at least once: a slow unit (a
+    loaded machine) shortens the ratio between them, never to no compute."""
+    from parm_trainer.bench.calibration.waits import WAIT_STRETCHES, stretch_repeats
+    assert WAIT_STRETCHES == (0.002, 0.008, 0.03)
+    assert stretch_repeats(0.0005) == [4, 16, 60]
+    assert stretch_repeats(0.003) == [1, 3, 10]
+    assert stretch_repeats(1.0) == [1, 1, 1]
 
 
 def test_burst_is_read_from_sends_after_a_pause():

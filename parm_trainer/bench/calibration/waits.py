@@ -23,6 +23,11 @@ WAIT_CALLS = (("allreduce", 1), ("allgather", 32768), ("reducescatter", 65536))
 WAIT_STRETCHES = (0.002, 0.008, 0.03)
 
 
+def stretch_repeats(unit: float) -> list:
+    """How many GEMMs of `unit` seconds make each of WAIT_STRETCHES (at least one)."""
+    return [max(1, round(target / unit)) for target in WAIT_STRETCHES]
+
+
 def measure_sync_wait(repeats, warmup, device, calls, per_node, rounds=3) -> list:
     """[(stretch seconds, wait seconds)]: in every node's group of ranks at once (MP groups
     sit inside a node; the world where a node holds one rank), each WAIT_CALLS collective
@@ -44,14 +49,15 @@ def measure_sync_wait(repeats, warmup, device, calls, per_node, rounds=3) -> lis
         size = len(nodes[0])
     gemm = [call for (_, call), (rows, m, h) in zip(gemm_cases(device), GEMM_SHAPES)
             if (rows, m, h) == (1024, 64, 128)][0]
-    # the unit sets every stretch's length: never from one sample (a preempted one would make
-    # all three stretches one GEMM long)
+    # the unit sets every stretch's length: never from one sample, nor from a rank the
+    # scheduler left behind (either would make all three stretches one GEMM long); the fastest
+    # rank's median, which every rank then repeats as often
     unit = torch.tensor([time_call(gemm, max(5, repeats), max(1, warmup), device, calls)],
                         device=device)
-    dist.all_reduce(unit, op=dist.ReduceOp.MAX)  # every rank repeats it as often
+    dist.all_reduce(unit, op=dist.ReduceOp.MIN)
     stretches = []
-    for target in WAIT_STRETCHES:
-        def stretch(k=max(1, round(target / unit.item()))):
+    for k in stretch_repeats(unit.item()):
+        def stretch(k=k):
             for _ in range(k):
                 gemm()
         stretches.append(stretch)

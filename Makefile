@@ -59,9 +59,8 @@ demo-bert: setup data-bert
 # two workers on 2 cores: a launch's ranks spend much of their time waiting on each other's
 # gloo messages with the cores idle, which the other worker's test fills (tests/conftest.py and
 # sharing_fixtures.py: tests that share the machine's namespaces never run two at once, tests
-# marked `alone` with no other; with TEST_WORKERS above 2, those marked `light`, which time a
-# failure against a bound, with at most one other). Three workers were slower on 2026-12-07
-# (1308 s against 1198 s, one machine, one morning: the light tests' waits idle the cores).
+# marked `alone` with no other). Three were slower (1308 s against 1198 s on 2026-12-07, with
+# the tests that time a failure kept to one other) or broke those tests' bounds.
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
 

@@ -14,7 +14,6 @@ from conftest import (assert_clean_failure, error_lines, last_line, launch, laun
                       tiny_gpt_args)
 
 
-@pytest.mark.light  # its fresh ranks' start-up counts toward LAUNCH_LIMIT_S
 @pytest.mark.parametrize("case,world,flags,needles", [
     ("tp3_on_4", 4, {"tensor-model-parallel-size": 3, "num-attention-heads": 6,
                      "hidden-size": 96}, ["--tensor-model-parallel-size 3", "world size 4"]),
@@ -38,7 +37,6 @@ def test_malformed_cost_profile(gpt_data, tmp_path):
     assert_clean_failure(run, str(profile), "collectives must have exactly the kinds")
 
 
-@pytest.mark.light  # its fresh ranks' start-up counts toward LAUNCH_LIMIT_S
 def test_missing_data_path(gpt_data, tmp_path):
     run = launch_sh(2, tiny_gpt_args(gpt_data, **{"data-path": tmp_path / "nowhere"}))
     assert_clean_failure(run, "--data-path", "nowhere")

@@ -63,7 +63,6 @@ def emulated(command, tmp_path, *flags, timeout=300):
     return subprocess.CompletedProcess(argv, tool.returncode, out, err), _leftovers(_tag(tool))
 
 
-@pytest.mark.light  # both nodes end within the watchdog's limit plus 10 s
 def test_two_nodes_train_like_one_and_survive_a_failed_link(gpt_data, tmp_path):
     """TP2 x EP2 x ESP2 + SP: MP and ESP inside a node, EP across the shaped link. Node 1's link
     goes down as iteration 4 is logged: both nodes end within the watchdog's limit plus 10 s.
@@ -104,7 +103,6 @@ def test_two_nodes_train_like_one_and_survive_a_failed_link(gpt_data, tmp_path):
     assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < 1e-5, (got, want)
 
 
-@pytest.mark.light  # every rank ends within 40 s of the stop
 @pytest.mark.parametrize("repeat", range(int(os.environ.get("PARM_STOP_REPEATS", "1"))))
 def test_a_node_stopped_from_outside_ends_the_job_with_one_line(gpt_data, tmp_path, repeat):
     """Node 1's ranks (2 and 3) stopped with SIGSTOP from outside after a random iteration

@@ -43,7 +43,6 @@ def assert_ended_by_the_watchdog(output, seconds, stopped_ranks):
     return errors[0]
 
 
-@pytest.mark.light  # every rank ends within 40 s of the stop
 @pytest.mark.parametrize("repeat", range(REPEATS))
 def test_a_rank_stopped_from_outside_ends_the_job_with_one_line(gpt_data, tmp_path, repeat):
     """SIGSTOP from outside to one rank of 4 (TP2 x EP2 + SP, saving every 4 iterations,

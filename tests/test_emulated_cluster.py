@@ -16,6 +16,7 @@ import time
 import pytest
 
 from conftest import ROOT, free_port, launch, tiny_gpt_args
+from parm_trainer.cluster.netns import default_tag
 
 TOOL = ROOT / "tools/emulated_cluster.py"
 
@@ -43,11 +44,6 @@ def _leftovers(tag):
     return [name for name in ours if re.fullmatch(rf"{tag}(\D.*)?", name)]
 
 
-def _tag(tool) -> str:
-    """The names the tool's process gives its cluster (netns.Cluster's default tag)."""
-    return f"pt{tool.pid % 100000}"
-
-
 def emulated(command, tmp_path, *flags, timeout=300):
     """The tool's run (as subprocess.run gives it) and what is left of its cluster."""
     argv = [sys.executable, str(TOOL), "--nodes", "2", "--procs-per-node", "2", "--log-dir",
@@ -60,7 +56,8 @@ def emulated(command, tmp_path, *flags, timeout=300):
         except subprocess.TimeoutExpired:
             tool.kill()
             raise
-    return subprocess.CompletedProcess(argv, tool.returncode, out, err), _leftovers(_tag(tool))
+    left = _leftovers(default_tag(tool.pid))
+    return subprocess.CompletedProcess(argv, tool.returncode, out, err), left
 
 
 def test_two_nodes_train_like_one_and_survive_a_failed_link(gpt_data, tmp_path):
@@ -179,4 +176,4 @@ def test_signals_during_teardown_do_not_cut_it_short(tmp_path):
     _, err = tool.communicate(timeout=60)
     assert tool.returncode == 130, err
     assert "interrupted; removed the emulated cluster" in err
-    assert _leftovers(_tag(tool)) == []
+    assert _leftovers(default_tag(tool.pid)) == []

@@ -118,6 +118,12 @@ class TornDown:
         self.teardown()
 
 
+def default_tag(pid: int) -> str:
+    """The prefix of the names a process's cluster gives its namespaces and links (they fit
+    Linux's 15 characters)."""
+    return f"pt{pid % 100000}"
+
+
 class Cluster(TornDown):
     """N namespaces on one bridge; use as a context manager (teardown on exit, always)."""
 
@@ -127,7 +133,7 @@ class Cluster(TornDown):
         # sends between two timer ticks caps the throughput below the rate (with 64 KiB a
         # 200mbit link carried 17.7 MB/s of AlltoAll; with 250 KB, 23.9 of the 25).
         self.burst = str(max(65536, int(rate_bytes_per_s(rate) / 100)))
-        self.tag = tag or f"pt{os.getpid() % 100000}"  # names fit Linux's 15 characters
+        self.tag = tag or default_tag(os.getpid())
         self.bridge = f"{self.tag}br"
         self.namespaces = [f"{self.tag}n{i}" for i in range(nodes)]
         self.created = []  # ("netns" | "link" | "dir", name), in creation order

@@ -16,6 +16,7 @@ parm_trainer.training runs the loop, exactly as for GPT.
 
 import sys
 
+from parm_trainer.process_exit import end
 from parm_trainer.lazy_imports import eager_fusions_without_cuda, skip_wandb_unless_asked
 
 skip_wandb_unless_asked(sys.argv)  # before megatron-core is imported (lazy_imports.py)
@@ -100,4 +101,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    end(main())

@@ -18,6 +18,7 @@ parm_trainer.training runs the loop. `scripts/` has launchers for one node, many
 
 import sys
 
+from parm_trainer.process_exit import end
 from parm_trainer.lazy_imports import eager_fusions_without_cuda, skip_wandb_unless_asked
 
 skip_wandb_unless_asked(sys.argv)  # before megatron-core is imported (lazy_imports.py)
@@ -66,4 +67,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    end(main())

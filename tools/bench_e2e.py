@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 
+from parm_trainer.process_exit import end
 from parm_trainer.bench.flags import depth_row
 from parm_trainer.bench.training_runs import (DEMO_MODEL, add_run_flags, intervals,
                                              parse_run_flags, run_figure, run_timed, save_held,
@@ -208,4 +209,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end(main())

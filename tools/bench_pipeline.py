@@ -31,6 +31,7 @@ import re
 import statistics
 import sys
 
+from parm_trainer.process_exit import end
 from parm_trainer.arguments import parse_args
 from parm_trainer.bench.training_runs import (add_run_flags, intervals, measured_stage_ms,
                                              parse_run_flags, predicted_stage_ms, run_figure,
@@ -161,4 +162,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end(main())

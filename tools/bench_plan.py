@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 
+from parm_trainer.process_exit import end
 from parm_trainer.arguments import parse_args
 from parm_trainer.bench.plan_check import pick, run_agreement, spearman
 from parm_trainer.bench.training_runs import (DEMO_MODEL, add_run_flags, intervals,
@@ -116,4 +117,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end(main())

@@ -32,6 +32,7 @@ import os
 import subprocess
 import sys
 
+from parm_trainer.process_exit import end
 from parm_trainer.bench.sweep import ROWS, grid, markdown, plots, summarise
 from parm_trainer.cluster.launch import add_node_flags, launch_command
 
@@ -124,4 +125,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end(main())

@@ -59,6 +59,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from parm_trainer.process_exit import end
 from parm_trainer.bench.calibration import calibrate
 from parm_trainer.bench.calibration.fit import R2_MIN
 from parm_trainer.bench.calibration.report import report
@@ -151,4 +152,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end(main())

@@ -12,11 +12,11 @@ Prints one line per op and dtype on rank 0; exits 1 if any differs.
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
+from parm_trainer.process_exit import end
 from parm_trainer.moe import comm
 from parm_trainer.moe import comm_uneven as cu
 
@@ -100,4 +100,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end(main())

@@ -12,6 +12,7 @@ tokenizer flag given here (--tokenizer-model, --vocab-file, ...) overrides it.
 
 import sys
 
+from parm_trainer.process_exit import end
 from parm_trainer.lazy_imports import eager_fusions_without_cuda, skip_wandb_unless_asked
 
 skip_wandb_unless_asked(sys.argv)
@@ -19,4 +20,4 @@ eager_fusions_without_cuda()
 from parm_trainer.generation import main
 
 if __name__ == "__main__":
-    main()
+    end(main())

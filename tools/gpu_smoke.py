@@ -40,6 +40,7 @@ import re
 import sys
 import time
 
+from parm_trainer.process_exit import end
 from parm_trainer.bench.smoke import (LAYER_STAGES, NO_GROUPED, layout_flags, run,
                                       stage_layer_bf16, stage_layer_fp32, stage_layer_grouped,
                                       stage_timed, torchrun)
@@ -183,4 +184,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end(main())

@@ -24,6 +24,7 @@ import argparse
 import json
 import sys
 
+from parm_trainer.process_exit import end
 from parm_trainer.lazy_imports import eager_fusions_without_cuda
 
 eager_fusions_without_cuda()  # as the entry points run on CPU: before megatron-core is imported
@@ -108,4 +109,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end(main())

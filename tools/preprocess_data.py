@@ -41,6 +41,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
+from parm_trainer.process_exit import end
 from parm_trainer.data.jsonl import make_output_dir, parse_record  # noqa: E402 (after the filter)
 from parm_trainer.arguments.flags import add_tokenizer_flags, default_tokenizer_type  # noqa
 from parm_trainer.data.tokenizer import tokenizer_from_args  # noqa: E402
@@ -236,4 +237,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    end(main())

@@ -32,6 +32,7 @@ import os
 import statistics
 from dataclasses import replace
 
+from parm_trainer.process_exit import end
 from parm_trainer.moe.cost_model import plan_cost, price_schedules
 from parm_trainer.moe.cost_profile import Profile
 from parm_trainer.moe.cost_shape import LayerShape
@@ -223,4 +224,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    end(main())

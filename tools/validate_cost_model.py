@@ -49,8 +49,8 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 
+from parm_trainer.process_exit import end
 from parm_trainer.bench.validation import (LAYOUTS, NODE_SHAPES, base_name, config_argv,
                                            evaluate, grid, merge_rounds, node_layouts)
 from parm_trainer.bench.validation_report import format_report, write_png
@@ -174,4 +174,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end(main())

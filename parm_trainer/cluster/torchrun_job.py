@@ -34,6 +34,7 @@ import threading
 import time
 
 from parm_trainer.error_line import ERROR_FILE_ENV
+from parm_trainer.process_exit import end
 
 # torchrun's agent logs under these names (torch.distributed.elastic.utils.logging)
 AGENT_LOGGERS = ("torch.distributed.run", "torch.distributed.elastic",
@@ -221,4 +222,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end(main())

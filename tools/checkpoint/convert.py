@@ -27,6 +27,8 @@ import argparse
 import sys
 import warnings
 
+from parm_trainer.process_exit import end
+
 
 LOADERS = {"hf": "hf", "mixtral_hf": "hf", "loader_mixtral_hf": "hf", "parm": "parm",
            "mcore": "parm", "loader_mcore": "parm"}
@@ -105,4 +107,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end(main())

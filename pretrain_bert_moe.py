@@ -17,7 +17,12 @@ parm_trainer.training runs the loop, exactly as for GPT.
 import sys
 
 from parm_trainer.process_exit import end
+from parm_trainer.arguments import add_bert_args
 from parm_trainer.lazy_imports import eager_fusions_without_cuda, skip_wandb_unless_asked
+from parm_trainer.training.user_errors import check_flags_first
+
+if __name__ == "__main__":  # bad flags end the job before megatron-core is imported
+    check_flags_first(sys.argv[1:], add_bert_args)
 
 skip_wandb_unless_asked(sys.argv)  # before megatron-core is imported (lazy_imports.py)
 eager_fusions_without_cuda()
@@ -30,11 +35,12 @@ import torch.nn.functional as F
 from parm_trainer.data.bert_datasets import (build_bert_datasets, check_bert_tokenizer,
                                              check_sentence_level)
 from parm_trainer.data.gpt_datasets import parse_data_path
-from parm_trainer.arguments import add_bert_args
 from parm_trainer.models.bert import build_bert_moe
 from parm_trainer.training.data import batch_to_device
-from parm_trainer.training.initialize import InputError, initialize, user_errors
+from parm_trainer.errors import InputError
+from parm_trainer.training.initialize import initialize
 from parm_trainer.training.loop import pretrain
+from parm_trainer.training.user_errors import user_errors
 
 
 def check_bert_inputs(args):

@@ -20,6 +20,10 @@ import sys
 
 from parm_trainer.process_exit import end
 from parm_trainer.lazy_imports import eager_fusions_without_cuda, skip_wandb_unless_asked
+from parm_trainer.training.user_errors import check_flags_first
+
+if __name__ == "__main__":  # bad flags end the job before megatron-core is imported
+    check_flags_first(sys.argv[1:])
 
 skip_wandb_unless_asked(sys.argv)  # before megatron-core is imported (lazy_imports.py)
 eager_fusions_without_cuda()
@@ -31,8 +35,9 @@ import torch
 from parm_trainer.data.gpt_datasets import build_gpt_datasets
 from parm_trainer.models.gpt import build_gpt_moe
 from parm_trainer.training.data import batch_to_device
-from parm_trainer.training.initialize import initialize, user_errors
+from parm_trainer.training.initialize import initialize
 from parm_trainer.training.loop import pretrain
+from parm_trainer.training.user_errors import user_errors
 
 
 def model_provider(args, config, pre_process=True, post_process=True, vp_stage=None):

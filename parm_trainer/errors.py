@@ -1,7 +1,7 @@
 """The errors a user's input can cause, each ending the job with one line that names the cause.
 
 Every one is raised alike on every rank (a check without communication, or after a collective
-that shared the verdict), so training/initialize.user_errors prints rank 0's message and ends
+that shared the verdict), so training/user_errors.user_errors prints rank 0's message and ends
 all ranks with status 1. This module imports nothing: any floor may raise them.
 """
 

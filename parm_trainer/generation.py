@@ -187,7 +187,7 @@ def main(argv=None) -> None:
     from parm_trainer.planning.checks import validate_layout
     from parm_trainer.parallel import destroy_distributed, initialize_distributed
     from parm_trainer.training.checkpoint import load_checkpoint
-    from parm_trainer.training.initialize import user_errors
+    from parm_trainer.training.user_errors import user_errors
 
     with user_errors():
         own, args = generation_args(argv)

@@ -21,6 +21,7 @@ it ends, a line with its exit status (negative: the signal).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import runpy
@@ -158,6 +159,7 @@ def run_launch(request: dict) -> None:
     and output), then torchrun's main, or with "python" that command; never returns."""
     status = 1
     try:
+        atexit._clear()  # a fresh Python has none; the script's own (process_exit.end runs them)
         os.setsid()
         os.chdir(request["cwd"])
         os.environ.clear()

@@ -11,18 +11,12 @@ groups exist and the MoE schedule is settled, by the model's pieces measured on 
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
-import time
 
-import torch
-
-from parm_trainer import error_line
 from parm_trainer.arguments import parse_args
 from parm_trainer.compat import cpu, cpu_allocator
 from parm_trainer.data.tokenizer import check_tokenizer_flags, tokenizer_from_args
-from parm_trainer.errors import USER_ERRORS, InputError, LayoutError
+from parm_trainer.errors import InputError, LayoutError
 from parm_trainer.models.config import padded_vocab_size
 from parm_trainer.parallel import initialize_distributed, record_stages
 from parm_trainer.planning import layout as pipeline_layout
@@ -31,7 +25,8 @@ from parm_trainer.planning.checks import validate_layout
 from parm_trainer.schedule import layer_times
 from parm_trainer.schedule.auto import resolve_auto_schedule
 from parm_trainer.schedule.tune import tune_at_startup
-from parm_trainer.training import checkpoint_args, faults, watchdog
+from parm_trainer.training import checkpoint_args, faults
+from parm_trainer.training.user_errors import rank as _rank
 
 
 
@@ -168,39 +163,3 @@ def report_memory(args) -> None:
 def _print_rank_0(line: str) -> None:
     if _rank() == 0:
         print(line, flush=True)
-
-
-def _rank() -> int:
-    if torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return int(os.environ.get("RANK", "0"))
-
-
-@contextlib.contextmanager
-def user_errors(*extra_types):
-    """Turn errors in the user's input into one line on rank 0 and exit status 1 on all ranks.
-
-    The listed types are raised identically on every rank (checks without communication, or
-    after a collective that shared the verdict), so one line from rank 0 tells the whole story.
-    A collective that fails because a peer stopped or died ends the job as the watchdog does,
-    with its line naming the silent rank. Anything else keeps its traceback.
-    """
-    known = (*USER_ERRORS, *extra_types)
-    try:
-        yield
-    except known as error:
-        # Rank 0 speaks at once. Other ranks wait a moment first: torchrun stops the whole job
-        # when rank 0 exits, so usually a single line appears; if rank 0 is slow to reach the
-        # same error, the first rank to finish waiting says it instead.
-        rank = _rank()
-        if rank != 0:
-            time.sleep(3.0)
-        prefix = "error" if rank == 0 else f"error (rank {rank})"
-        error_line.say(f"{prefix}: {error}")
-        sys.stdout.flush()
-        watchdog.stop_helpers()
-        os._exit(1)  # no teardown: other ranks may already be gone
-    except RuntimeError as error:  # a collective whose peer stopped or died: the watchdog's line
-        if not watchdog.is_collective_failure(error):
-            raise
-        watchdog.end_on_collective_failure(error)  # its helpers stopped first

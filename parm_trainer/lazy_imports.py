@@ -17,6 +17,7 @@ Python functions, the same arithmetic); with CUDA nothing changes.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 
@@ -34,16 +35,26 @@ def _eager(model=None, **_options):
     return model if model is not None else (lambda function: function)
 
 
-def eager_fusions_without_cuda() -> None:
-    if "megatron.core" in sys.modules:
-        return
+@contextlib.contextmanager
+def compile_stands_aside():
+    """Without CUDA, torch.compile compiles nothing inside the block: megatron-core imported in
+    it binds its jit_fuser to the plain functions (the entry points' flag checks run in it, in
+    case a check imports megatron-core)."""
     import torch
 
     if torch.cuda.is_available():
+        yield
         return
     compile_ = torch.compile
     torch.compile = _eager
     try:
-        import megatron.core.jit  # noqa: F401 (megatron-core's decorators run now)
+        yield
     finally:
         torch.compile = compile_
+
+
+def eager_fusions_without_cuda() -> None:
+    if "megatron.core" in sys.modules:
+        return
+    with compile_stands_aside():
+        import megatron.core.jit  # noqa: F401 (megatron-core's decorators run now)

@@ -12,6 +12,7 @@ from conftest import ROOT
 
 
 def _rank(script, *flags, world_size=4):
+    flags = [str(flag) for flag in flags]
     env = {**os.environ, "WORLD_SIZE": str(world_size), "RANK": "0", "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, "-X", "importtime", script, *flags], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
@@ -32,3 +33,21 @@ def test_bad_flags_end_the_rank_before_megatron_is_imported(script, flags, needl
     assert run.returncode != 0 and errors and needle in errors[-1], run.stderr[-3000:]
     assert "torch" in imports, "importtime listed nothing"
     assert not [name for name in imports if name.startswith("megatron")], "megatron was imported"
+
+
+def test_good_flags_keep_megatron_imported_without_wandb_or_torch_compile(tmp_path):
+    """Flags that pass the first checks: megatron-core is imported after them, still without
+    wandb (not asked for) and without torch.compile's modules (lazy_imports.py), until the
+    missing tokenizer file ends the rank (a check of initialize's, after the imports)."""
+    run = _rank("pretrain_gpt_moe.py", "--num-layers", "2", "--hidden-size", "64",
+                "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings",
+                "64", "--micro-batch-size", "1", "--global-batch-size", "4", "--num-experts", "4",
+                "--train-iters", "2", "--data-path", tmp_path / "nowhere",
+                "--tokenizer-model", tmp_path / "none.model", world_size=1)
+    imports = [line.split("|")[-1].strip() for line in run.stderr.splitlines()
+               if line.startswith("import time:")]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error")]
+    assert run.returncode == 1 and errors and "none.model" in errors[-1], run.stderr[-3000:]
+    assert "megatron.core" in imports, "the checks ended the rank: not the case asked for"
+    late = [name for name in imports if name.startswith(("wandb.", "torch._inductor"))]
+    assert not late, late[:5]

@@ -17,10 +17,6 @@ from __future__ import annotations
 
 from typing import Iterator, Optional
 
-from megatron.core.num_microbatches_calculator import (RampupBatchsizeNumMicroBatchesCalculator,
-                                                       destroy_num_microbatches_calculator,
-                                                       init_num_microbatches_calculator)
-
 
 def problem(args) -> Optional[str]:
     """What megatron-core's ramp-up calculator would assert, divide by zero on, or refuse
@@ -60,6 +56,8 @@ def _batch_sizes(args) -> Iterator[int]:
     if args.rampup_batch_size is None:
         while True:
             yield args.global_batch_size
+    from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
+
     ramp = RampupBatchsizeNumMicroBatchesCalculator(
         args.global_batch_size, args.micro_batch_size, args.data_parallel_size, False,
         -1, *args.rampup_batch_size)  # rank -1: megatron-core logs its changes on rank 0 only
@@ -104,6 +102,9 @@ def planned_samples(args) -> int:
 def start(args, rank: int) -> None:
     """megatron-core's process-wide calculator, as Megatron-LM's initialisation builds it
     (built anew where one process trains twice, as the tests do)."""
+    from megatron.core.num_microbatches_calculator import (destroy_num_microbatches_calculator,
+                                                           init_num_microbatches_calculator)
+
     destroy_num_microbatches_calculator()
     init_num_microbatches_calculator(rank, args.rampup_batch_size, args.global_batch_size,
                                      args.micro_batch_size, args.data_parallel_size)

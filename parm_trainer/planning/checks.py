@@ -158,7 +158,7 @@ def _validate_batch(args) -> None:
 def _validate_training_length(args) -> None:
     """The batch-size ramp-up against the layout, and the iterations of sample-based training
     (--train-samples), which follow from the global batch size and its ramp-up."""
-    from parm_trainer.planning import batch_schedule  # megatron-core's: imported when used
+    from parm_trainer.planning import batch_schedule  # megatron-core's ramp-up: when used
 
     ramp_problem = batch_schedule.problem(args)
     _require(ramp_problem is None, ramp_problem)

@@ -20,6 +20,7 @@ import torch
 
 from parm_trainer import error_line
 from parm_trainer.errors import USER_ERRORS
+from parm_trainer.lazy_imports import compile_stands_aside
 from parm_trainer.training import watchdog
 
 
@@ -68,7 +69,7 @@ def check_flags_first(argv: list, extra_args_provider=None) -> None:
     from parm_trainer.planning.checks import validate_layout
     from parm_trainer.schedule.auto import resolve_auto_schedule
 
-    with user_errors():
+    with user_errors(), compile_stands_aside():
         args = parse_args(argv, extra_args_provider)
         resolve_auto_schedule(args, log=lambda line: None)
         validate_layout(args)

@@ -1,5 +1,5 @@
-"""Start-up shared by the entry scripts: flags, checks, CPU compatibility, process groups, and
-one-line errors for bad input.
+"""Start-up shared by the entry scripts: flags, checks, CPU compatibility, process groups (the
+one-line errors for bad input, and the flag checks the entry scripts make first: user_errors.py).
 
 Checks that need no communication (layout, files) run before torch.distributed starts, on every
 rank, so bad input ends every rank at once instead of hanging in a collective.

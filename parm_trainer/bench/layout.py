@@ -8,11 +8,9 @@ collectives the checks use, which node a rank is on, and leaving without the slo
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 
+from parm_trainer import process_exit
 from parm_trainer.parallel import rank_device
 
 _CURRENT_LAYOUT = [None]
@@ -86,6 +84,4 @@ def leave(status: int) -> None:
     """End the process now: every rank is past the final barrier and rank 0's files are
     written, so skip the interpreter's teardown of megatron's (and DeepSpeed's) many process
     groups (seconds on a CPU)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    process_exit.now(status)

@@ -23,7 +23,7 @@ from parm_trainer.lazy_imports import eager_fusions_without_cuda, skip_wandb_unl
 from parm_trainer.training.user_errors import check_flags_first
 
 skip_wandb_unless_asked(sys.argv)  # before megatron-core is imported (lazy_imports.py)
-if __name__ == "__main__":  # bad flags end the job before megatron-core is imported
+if __name__ == "__main__":  # bad flags end the job before torch is imported
     check_flags_first(sys.argv[1:])
 eager_fusions_without_cuda()
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
 
@@ -68,7 +66,14 @@ CONFIG_FIELDS = ("moe_shared_expert_intermediate_size", "moe_shared_expert_gate"
                  "moe_router_num_groups", "moe_router_group_topk",
                  "moe_router_topk_scaling_factor", "moe_router_dtype",
                  "moe_router_force_load_balancing", "moe_per_layer_logging")
-ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}  # --moe-router-dtype
+
+
+def router_dtype(name: Optional[str], default):
+    """--moe-router-dtype's torch dtype (fp32, fp64), else `default` (the tokens' dtype).
+    torch is imported here, not above: the flags are checked before torch is imported."""
+    import torch
+
+    return {"fp32": torch.float32, "fp64": torch.float64}.get(name, default)
 
 
 def config_fields(args) -> dict:

@@ -26,8 +26,6 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
-
 
 @dataclass(frozen=True)
 class NodeRelay:
@@ -46,6 +44,8 @@ def ranks_per_node(args=None) -> int:
     """With args: --ranks-per-node, else LOCAL_WORLD_SIZE, else the world (args.world_size);
     without: what build() recorded for this job."""
     if args is None:
+        import torch  # here: the layout checks run before torch is imported
+
         return _STATE.get("per_node") or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or \
             torch.distributed.get_world_size()
     return getattr(args, "ranks_per_node", None) or \
@@ -91,6 +91,7 @@ def relay_size(args, per_node: int) -> int:
 
 def build(args) -> None:
     """Create the two hops' groups on every rank where the relay applies (collective)."""
+    import torch
     from megatron.core import parallel_state
 
     _STATE.clear()

@@ -22,8 +22,6 @@ import os
 import sys
 from typing import Optional, Sequence
 
-import torch
-
 from parm_trainer.arguments.checks import check
 from parm_trainer.arguments.flags import add_bert_args, build_parser, default_tokenizer_type
 from parm_trainer.arguments.megatron_only import notes
@@ -36,10 +34,14 @@ __all__ = ["ArgumentsError", "add_bert_args", "build_parser", "command_line", "g
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, extra_args_provider=None,
-               world_size: Optional[int] = None, override=None) -> argparse.Namespace:
+               world_size: Optional[int] = None, override=None,
+               without_torch: bool = False) -> argparse.Namespace:
     """Parse flags and fill in defaults that depend on other flags and the world size.
     override(args, given) -> lines to log: changes the parsed values before the defaults that
-    depend on them (given: the flags on the command line, as attribute names)."""
+    depend on them (given: the flags on the command line, as attribute names).
+    without_torch: the checks an entry point makes before it imports torch (user_errors.
+    check_flags_first); what asks torch (the backend, the dtype, CUDA-only libraries) is left
+    to the full parse."""
     args = _parser(extra_args_provider, sys.argv[0]).parse_args(argv)
     overridden = override(args, given_flags(argv, extra_args_provider)) if override else []
     args.world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
@@ -56,10 +58,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, extra_args_provider=None,
         args.watchdog_timeout_minutes = args.distributed_timeout_minutes
     if args.tokenizer_type is None:
         args.tokenizer_type = default_tokenizer_type(args)
-    if args.distributed_backend is None:
-        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
-    args.params_dtype = (torch.float16 if args.fp16 else torch.bfloat16 if args.bf16
-                         else torch.float32)
+    if not without_torch:
+        _torch_settings(args)
     if args.moe_pad_expert_input_to_capacity:  # Megatron-LM's flag: experts padded to capacity
         args.moe_parm_exchange = "padded"
     args.start_notes = overridden + notes(args)  # the lines start-up logs once (initialize.py)
@@ -70,9 +70,18 @@ def parse_args(argv: Optional[Sequence[str]] = None, extra_args_provider=None,
     if args.transformer_impl == "local" and args.attention_backend in ("flash", "fused"):
         args.start_notes.append(f"--attention-backend {args.attention_backend}: megatron-core's "
                                 f"unfused DotProductAttention runs under --transformer-impl local")
-    check(args)
+    check(args, without_torch)
     settle_recompute(args)
     return args
+
+
+def _torch_settings(args) -> None:
+    import torch
+
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    args.params_dtype = (torch.float16 if args.fp16 else torch.bfloat16 if args.bf16
+                         else torch.float32)
 
 
 @functools.lru_cache(maxsize=8)

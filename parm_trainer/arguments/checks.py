@@ -6,15 +6,15 @@ from __future__ import annotations
 import math
 import re
 
-import torch
-
 from parm_trainer import flag_ranges, mla_flags, moe_flags, mtp_flags
 from parm_trainer.arguments.megatron_only import problem as refused_flag
 from parm_trainer.arguments.recompute import problem as recompute_problem
 from parm_trainer.errors import ArgumentsError
 
 
-def check(args) -> None:
+def check(args, without_torch: bool = False) -> None:
+    """The first impossible value or combination, raised as one ArgumentsError line;
+    without_torch: all but the checks that ask torch about CUDA (see parse_args)."""
     if (out_of_range := flag_ranges.problem(args)) is not None:  # every numeric flag's range
         raise ArgumentsError(out_of_range)
     if (schedule_problem := _schedule_problem(args)) is not None:
@@ -47,7 +47,8 @@ def check(args) -> None:
         raise ArgumentsError("--qk-layernorm-across-heads with --multi-latent-attention: "
                              "multi-latent attention normalises its query and key/value "
                              "latents, not the heads")
-    _check_backend(args)
+    if not without_torch:
+        _check_backend(args)
     if (moe_problem := moe_flags.problem(args)) is not None:
         raise ArgumentsError(moe_problem)
     if (recompute := recompute_problem(args)) is not None:
@@ -114,6 +115,8 @@ def _precision_problem(args) -> str | None:
 
 def _check_backend(args) -> None:
     """--transformer-impl and --moe-grouped-gemm ask for libraries a machine may not have."""
+    import torch
+
     from parm_trainer.models.backend import installed as _installed
 
     te = args.transformer_impl == "transformer_engine"

@@ -17,7 +17,7 @@ import torch
 
 from parm_trainer.bench.layout import max_over_ranks
 from parm_trainer.bench.peers import MEGATRON
-from parm_trainer.moe_flags import ROUTER_DTYPES
+from parm_trainer.moe_flags import router_dtype
 
 
 def beyond_reference(args) -> list:
@@ -45,7 +45,7 @@ def routing_map(args, tokens, gate, gate_calls: int):
 
     if args.moe_router_force_load_balancing:
         return None
-    dtype = ROUTER_DTYPES.get(args.moe_router_dtype, tokens.dtype)
+    dtype = router_dtype(args.moe_router_dtype, tokens.dtype)
     maps = []
     for call in tokens.chunk(gate_calls):
         probs, chosen = topk_routing_with_score_function(

@@ -37,7 +37,7 @@ from parm_trainer.moe.grouped_experts import applies, grouped_experts
 from parm_trainer.moe.padded_exchange import PaddedExchange
 from parm_trainer.moe.plan import Op
 from parm_trainer.moe.schedules import build_plan
-from parm_trainer.moe_flags import ROUTER_DTYPES
+from parm_trainer.moe_flags import router_dtype
 from parm_trainer.parallel import consecutive_subgroup
 
 EXCHANGES = ("exact", "direct", "padded")
@@ -188,7 +188,7 @@ class ParmMoELayer(MegatronModule):
         weight = router.weight
         if split and not weight.sequence_parallel:  # else finalize_model_grads sums it
             weight = comm.copy_to(weight, self.groups["mp"], "mp")
-        dtype = ROUTER_DTYPES.get(self.config.moe_router_dtype, tokens.dtype)
+        dtype = router_dtype(self.config.moe_router_dtype, tokens.dtype)
         logits = router_gating_linear(tokens, weight, router.bias, dtype)
         if self.force_balance is not None:  # --moe-router-force-load-balancing
             logits = self.force_balance(logits)

@@ -78,7 +78,7 @@ def _checkpoint_tokenizer(args, saved: dict, path: str, load_dir: str, given: se
     """The checkpoint's tokenizer: its type and --vocab-size from run.json, its files from the
     copies beside it (training/checkpoint/files.py). A tokenizer flag on the command line wins,
     as does the type that --vocab-file with --merge-file imply there."""
-    from parm_trainer.data.tokenizer import TOKENIZER_FILE_FLAGS, check_tokenizer_flags
+    from parm_trainer.data.input_files import TOKENIZER_FILE_FLAGS, check_tokenizer_flags
 
     implied = {"vocab_file", "merge_file"} <= given
     for dest in ("tokenizer_type", "vocab_size"):

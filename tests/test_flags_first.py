@@ -22,6 +22,12 @@ def _rank(script, *flags, world_size=4):
     ("pretrain_gpt_moe.py", ["--tensor-model-parallel-size", "3", "--num-attention-heads", "6",
                              "--hidden-size", "96"], "does not divide the world size 4"),
     ("pretrain_bert_moe.py", ["--num-experts", "four"], "invalid int value: 'four'"),
+    ("pretrain_gpt_moe.py", ["--num-attention-heads", "4", "--hidden-size", "64", "--data-path",
+                             "/nowhere/corpus_text_document", "--tokenizer-model", "README.md"],
+     "/nowhere/corpus_text_document.bin not found"),
+    ("pretrain_gpt_moe.py", ["--num-attention-heads", "4", "--hidden-size", "64", "--data-path",
+                             "/nowhere/corpus", "--tokenizer-model", "/nowhere/t.model"],
+     "--tokenizer-model /nowhere/t.model: no such file"),
 ])
 def test_bad_flags_end_the_rank_before_torch_is_imported(script, flags, needle):
     run = _rank(script, "--num-layers", "2", "--seq-length", "64", "--max-position-embeddings",
@@ -37,18 +43,20 @@ def test_bad_flags_end_the_rank_before_torch_is_imported(script, flags, needle):
 
 
 def test_good_flags_keep_megatron_imported_without_wandb_or_torch_compile(tmp_path):
-    """Flags that pass the first checks: megatron-core is imported after them, still without
-    wandb (not asked for) and without torch.compile's modules (lazy_imports.py), until the
-    missing tokenizer file ends the rank (a check of initialize's, after the imports)."""
+    """Flags and files that pass the first checks: megatron-core is imported after them, still
+    without wandb (not asked for) and without torch.compile's modules (lazy_imports.py), until
+    the data set's index, empty, ends the rank (a check of initialize's, after the imports)."""
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"corpus{suffix}").write_bytes(b"")
     run = _rank("pretrain_gpt_moe.py", "--num-layers", "2", "--hidden-size", "64",
                 "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings",
                 "64", "--micro-batch-size", "1", "--global-batch-size", "4", "--num-experts", "4",
-                "--train-iters", "2", "--data-path", tmp_path / "nowhere",
-                "--tokenizer-model", tmp_path / "none.model", world_size=1)
+                "--train-iters", "2", "--data-path", tmp_path / "corpus",
+                "--tokenizer-model", tmp_path / "corpus.bin", world_size=1)
     imports = [line.split("|")[-1].strip() for line in run.stderr.splitlines()
                if line.startswith("import time:")]
     errors = [line for line in run.stderr.splitlines() if line.startswith("error")]
-    assert run.returncode == 1 and errors and "none.model" in errors[-1], run.stderr[-3000:]
+    assert run.returncode == 1 and errors and "bad header magic" in errors[-1], run.stderr[-3000:]
     assert "megatron.core" in imports and "torch" in imports, "the checks ended the rank"
     late = [name for name in imports if name.startswith(("wandb.", "torch._inductor"))]
     assert not late, late[:5]

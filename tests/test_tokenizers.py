@@ -247,3 +247,12 @@ def test_generated_ids_past_the_tokenizer_are_shown(sentencepiece_model):
     assert readable(tokenizer, hello + world) == tokenizer.detokenize(hello + world)
     assert readable(tokenizer, hello + [size, size + 7] + world) == (
         tokenizer.detokenize(hello) + f"<id {size}><id {size + 7}>" + tokenizer.detokenize(world))
+
+
+def test_every_tokenizer_type_has_its_file_flags():
+    """data/input_files.py checks each type's files before torch is imported, from its own
+    table: a type added to data/tokenizer.py without a row there would be refused as unknown."""
+    from parm_trainer.data.input_files import TOKENIZER_FILE_FLAGS
+    from parm_trainer.data.tokenizer import TOKENIZERS
+
+    assert set(TOKENIZERS) == set(TOKENIZER_FILE_FLAGS)

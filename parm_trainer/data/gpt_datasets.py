@@ -20,6 +20,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import DType
 from megatron.core.datasets.utils import Split, get_blend_from_list
+from parm_trainer.data.input_files import check_data_files, is_number
 from parm_trainer.errors import DataError
 
 PREPROCESS_HINT = "re-run tools/preprocess_data.py"
@@ -45,11 +46,11 @@ def parse_data_path(data_path):
     words = [word for item in data_path for word in item.split()]
     if not words:
         raise DataError("--data-path is empty")
-    if len(words) > 1 and _is_number(words[0]) and len(words) % 2:
+    if len(words) > 1 and is_number(words[0]) and len(words) % 2:
         raise DataError(f"--data-path {' '.join(words)!r}: expected 'weight prefix' pairs, "
                         f"got {len(words)} words")
     prefixes, weights = get_blend_from_list(words)
-    if weights is None and len(words) % 2 == 0 and _is_number(words[0]):
+    if weights is None and len(words) % 2 == 0 and is_number(words[0]):
         raise DataError(f"--data-path {' '.join(words)!r}: expected 'weight prefix' "
                          f"pairs, but some weights are not numbers")
     if weights is not None:
@@ -61,14 +62,6 @@ def parse_data_path(data_path):
     return prefixes, weights
 
 
-def _is_number(word):
-    try:
-        float(word)
-        return True
-    except ValueError:
-        return False
-
-
 def check_indexed_dataset(prefix):
     """Raise a clear error unless prefix.bin/.idx look like a valid dataset; returns its
     (sequences, documents) counts (equal unless tools/preprocess_data.py --split-sentences).
@@ -78,10 +71,7 @@ def check_indexed_dataset(prefix):
     IndexError much later.
     """
     idx_path, bin_path = prefix + ".idx", prefix + ".bin"
-    for path in (bin_path, idx_path):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"--data-path prefix {prefix}: {path} not found "
-                                    f"(create it with tools/preprocess_data.py)")
+    check_data_files(prefix)
 
     def corrupt(reason):
         return DataError(f"{idx_path} is not a valid megatron indexed dataset index: "

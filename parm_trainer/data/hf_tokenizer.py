@@ -7,35 +7,16 @@ Megatron-LM's _HuggingFaceTokenizer (megatron/training/tokenizer/tokenizer.py, c
 transformers' AutoTokenizer from the directory; a text's ids are what the tokenizer gives
 (the special tokens its post-processor adds included, e.g. a Llama family's bos), eod is its
 eos, the vocabulary size len(tokenizer). DIR is a directory (tokenizer.json or
-tokenizer_config.json in it): this machine reads no hub, and neither does the check.
+tokenizer_config.json in it): this machine reads no hub, and neither does the check
+(data/input_files.check_hf_directory).
 """
 
 from __future__ import annotations
 
-import os
-
 from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
 
 from parm_trainer.data.legacy import legacy_init
-from parm_trainer.errors import InputError, TokenizerError
-
-# what a directory saved by transformers holds for its tokenizer (either will do)
-MARKERS = ("tokenizer.json", "tokenizer_config.json")
-
-
-def check_directory(path) -> None:
-    """--tokenizer-model for HuggingFaceTokenizer: a readable directory saved by transformers."""
-    if not path:
-        raise InputError("--tokenizer-model is required with --tokenizer-type "
-                         "HuggingFaceTokenizer (a directory saved by transformers, with "
-                         "tokenizer.json)")
-    if not os.path.isdir(path):
-        raise InputError(f"--tokenizer-model {path}: not a directory (HuggingFaceTokenizer reads "
-                         f"a directory saved by transformers: tokenizer.json, "
-                         f"tokenizer_config.json; a hub name must be downloaded first)")
-    if not any(os.path.isfile(os.path.join(path, name)) for name in MARKERS):
-        raise InputError(f"--tokenizer-model {path} holds no tokenizer.json nor "
-                         f"tokenizer_config.json (save one with tokenizer.save_pretrained)")
+from parm_trainer.errors import TokenizerError
 
 
 class HuggingFaceTokenizer(MegatronLegacyTokenizer):

@@ -18,18 +18,18 @@ Types and flags are Megatron-LM's (megatron/training/tokenizer/tokenizer.py):
     HuggingFaceTokenizer    --tokenizer-model DIR  transformers' tokenizer saved in DIR
                             (tokenizer.json), eod = its eos (hf_tokenizer.py)
 
-check_tokenizer_flags says, in one line, what a type lacks (a flag, a file that exists and is
+input_files.check_tokenizer_flags says, in one line, what a type lacks (a flag, a file that exists and is
 readable); build_tokenizer also says what a file holds that the type cannot read.
 """
 
 import json
-import os
 
 import sentencepiece
 from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
-from parm_trainer.data.hf_tokenizer import HuggingFaceTokenizer, check_directory
+from parm_trainer.data.hf_tokenizer import HuggingFaceTokenizer
+from parm_trainer.data.input_files import check_tokenizer_flags
 from parm_trainer.data.legacy import legacy_init as _legacy_init
-from parm_trainer.errors import InputError, TokenizerError
+from parm_trainer.errors import TokenizerError
 
 BERT_SYMBOLS = ("[CLS]", "[SEP]", "[MASK]")
 RETRAIN_HINT = "retrain it with tools/train_tokenizer.py"
@@ -297,52 +297,6 @@ TOKENIZERS = {"SentencePieceTokenizer": SentencePieceTokenizer,
               "GPT2BPETokenizer": GPT2BPETokenizer,
               "NullTokenizer": NullTokenizer,
               "HuggingFaceTokenizer": HuggingFaceTokenizer}
-# The file flags (argparse dests) each type reads; a checkpoint carries copies of them
-# (training/checkpoint/files.py TOKENIZER_FILES names the copies).
-TOKENIZER_FILE_FLAGS = {"SentencePieceTokenizer": ("tokenizer_model",),
-                        "Llama2Tokenizer": ("tokenizer_model",),
-                        "GPT2BPETokenizer": ("vocab_file", "merge_file"),
-                        "NullTokenizer": (),
-                        "HuggingFaceTokenizer": ("tokenizer_model",)}  # a directory
-_TRAIN_HINTS = {"tokenizer_model": " (train one with tools/train_tokenizer.py; for GPT-2 BPE "
-                                   "give --vocab-file and --merge-file)"}
-
-
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
-
-
-def _check_file(dest: str, path, kind: str) -> None:
-    flag = _flag(dest)
-    if not path:
-        raise InputError(f"{flag} is required with --tokenizer-type {kind}"
-                         f"{_TRAIN_HINTS.get(dest, '')}")
-    if not os.path.exists(path):
-        raise InputError(f"{flag} {path}: no such file")
-    if not os.path.isfile(path):
-        raise InputError(f"{flag} {path} is not a file")
-    if not os.access(path, os.R_OK):
-        raise InputError(f"{flag} {path} cannot be read (permission denied)")
-
-
-def check_tokenizer_flags(args) -> None:
-    """The tokenizer flags, before anything is built or any process group starts: a type this
-    project has, the flags it reads given, their files present and readable. One InputError
-    or TokenizerError line naming the flag."""
-    kind = args.tokenizer_type
-    if kind not in TOKENIZERS:
-        raise TokenizerError(f"unsupported --tokenizer-type {kind!r}; choose from "
-                             f"{', '.join(TOKENIZERS)}")
-    if kind == "NullTokenizer" and getattr(args, "vocab_size", None) is None:
-        raise InputError("--vocab-size is required with --tokenizer-type NullTokenizer (the "
-                         "number of token ids before its eod)")
-    if kind == "HuggingFaceTokenizer":
-        check_directory(args.tokenizer_model)
-        return
-    for dest in TOKENIZER_FILE_FLAGS[kind]:
-        _check_file(dest, getattr(args, dest, None), kind)
-
-
 def tokenizer_from_args(args):
     """The tokenizer --tokenizer-type names, from the flags it reads (checked first)."""
     check_tokenizer_flags(args)

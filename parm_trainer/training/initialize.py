@@ -15,7 +15,8 @@ import os
 
 from parm_trainer.arguments import parse_args
 from parm_trainer.compat import cpu, cpu_allocator
-from parm_trainer.data.tokenizer import check_tokenizer_flags, tokenizer_from_args
+from parm_trainer.data.input_files import check_inputs
+from parm_trainer.data.tokenizer import tokenizer_from_args
 from parm_trainer.errors import InputError, LayoutError
 from parm_trainer.models.config import padded_vocab_size
 from parm_trainer.parallel import initialize_distributed, record_stages
@@ -32,22 +33,14 @@ from parm_trainer.training.user_errors import rank as _rank
 
 
 def _check_inputs(args) -> None:
-    if args.mock_data and args.data_path:
-        raise InputError("--mock-data trains on synthetic data: leave out --data-path, or "
-                         "--mock-data to train on it")
-    if not args.data_path and not args.mock_data:
-        raise InputError("--data-path is required (an indexed dataset prefix, "
-                         "e.g. data/demo/corpus_text_document), or --mock-data")
-    check_tokenizer_flags(args)  # the type's flags and files
+    """check_flags_first's file checks again (a run with --use-checkpoint-args skipped them),
+    then each data set's index as megatron-core reads it and --load's tracker."""
+    check_inputs(args)
     from parm_trainer.data.gpt_datasets import check_indexed_dataset, parse_data_path
 
     prefixes, _ = parse_data_path(args.data_path) if args.data_path else ([], None)
-    for prefix in prefixes:  # missing, corrupt or truncated files fail here, on every rank
+    for prefix in prefixes:  # corrupt or truncated files fail here, on every rank
         check_indexed_dataset(prefix)
-    for flag in ("load", "save", "tensorboard_dir", "data_cache_path", "wandb_save_dir"):
-        path = getattr(args, flag)
-        if path and os.path.exists(path) and not os.path.isdir(path):
-            raise InputError(f"--{flag.replace('_', '-')} {path} is not a directory")
     if args.load and os.path.isdir(args.load):
         from parm_trainer.training.checkpoint.files import CheckpointError, read_tracker
 

@@ -1,12 +1,13 @@
 """Bad input ends a job with one line: the handler the entry points run under (user_errors),
 and the checks they run first, before they import torch and megatron-core (check_flags_first).
 
-check_flags_first parses the flags and checks the layout against the world size: what
-initialize() checks first, without the tokenizer, data files, checkpoints and what asks torch
-about CUDA. A rank that imports torch and megatron-core spends about 4.5 s of CPU more than
-one that does not (0.3 s: 4 ranks of a 2-core node end about 8 s sooner), so bad flags end a
-job at once. initialize() runs the same checks again with the rest. With --use-checkpoint-args
-the model's flags come from the checkpoint first, so there the checks wait for initialize().
+check_flags_first parses the flags, checks the layout against the world size and the files the
+run reads (data/input_files.py): what initialize() checks first, without reading the data set's
+index through megatron-core or asking torch about CUDA. A rank that imports torch and
+megatron-core spends about 4.5 s of CPU more than one that does not (0.3 s: 4 ranks of a
+2-core node end about 8 s sooner), so bad flags and mistyped paths end a job at once.
+initialize() runs the same checks again with the rest. With --use-checkpoint-args the model's
+flags come from the checkpoint first, so there the checks wait for initialize().
 This module and what check_flags_first imports import no torch (tests/test_flags_first.py).
 """
 
@@ -60,11 +61,12 @@ def user_errors(*extra_types):
 
 
 def check_flags_first(argv: list, extra_args_provider=None) -> None:
-    """The flags parsed and the layout checked, before megatron-core is imported (an entry
-    point's first step; argparse's own errors end the process here too)."""
+    """The flags parsed, the layout and the input files checked, before torch is imported (an
+    entry point's first step; argparse's own errors end the process here too)."""
     if "--use-checkpoint-args" in argv:
         return
     from parm_trainer.arguments import parse_args
+    from parm_trainer.data.input_files import check_inputs
     from parm_trainer.planning.checks import validate_layout
     from parm_trainer.schedule.auto import resolve_auto_schedule
 
@@ -72,3 +74,4 @@ def check_flags_first(argv: list, extra_args_provider=None) -> None:
         args = parse_args(argv, extra_args_provider, without_torch=True)
         resolve_auto_schedule(args, log=lambda line: None)
         validate_layout(args)
+        check_inputs(args)

@@ -16,7 +16,7 @@ from megatron.core.tensor_parallel import random as mrandom
 
 import parm_trainer
 from parm_trainer import parallel
-from parm_trainer.data.tokenizer import TOKENIZER_FILE_FLAGS
+from parm_trainer.data.input_files import TOKENIZER_FILE_FLAGS
 from parm_trainer.models.init import sharded_state_dict
 from parm_trainer.training.checkpoint.files import DESCRIPTION, tokenizer_copy
 from parm_trainer.training.checkpoint.optimizer_state import step_for_empty_optimizers

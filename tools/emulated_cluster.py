@@ -49,10 +49,7 @@ import sys
 import threading
 import time
 
-# add_node_flags and launch_command: for the tools that import them from here (bench_e2e)
-from parm_trainer.cluster.launch import add_node_flags, launch_command  # noqa: F401
-from parm_trainer.cluster.netns import (DELAY, RATE, Cluster, ClusterError,  # noqa: F401
-                                       check_host, parse_with_command, rate_bytes_per_s,
+from parm_trainer.cluster.netns import (DELAY, RATE, Cluster, check_host, parse_with_command,
                                        run_guarded)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

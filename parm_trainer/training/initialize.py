@@ -15,7 +15,7 @@ import os
 
 from parm_trainer.arguments import parse_args
 from parm_trainer.compat import cpu, cpu_allocator
-from parm_trainer.data.input_files import check_inputs
+from parm_trainer.data import input_files
 from parm_trainer.data.tokenizer import tokenizer_from_args
 from parm_trainer.errors import InputError, LayoutError
 from parm_trainer.models.config import padded_vocab_size
@@ -35,7 +35,7 @@ from parm_trainer.training.user_errors import rank as _rank
 def _check_inputs(args) -> None:
     """check_flags_first's file checks again (a run with --use-checkpoint-args skipped them),
     then each data set's index as megatron-core reads it and --load's tracker."""
-    check_inputs(args)
+    input_files.check_inputs(args)
     from parm_trainer.data.gpt_datasets import check_indexed_dataset, parse_data_path
 
     prefixes, _ = parse_data_path(args.data_path) if args.data_path else ([], None)

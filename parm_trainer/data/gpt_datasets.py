@@ -20,7 +20,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import DType
 from megatron.core.datasets.utils import Split, get_blend_from_list
-from parm_trainer.data.input_files import check_data_files, is_number
+from parm_trainer.data.input_files import check_data_files, data_path_words, is_number
 from parm_trainer.errors import DataError
 
 PREPROCESS_HINT = "re-run tools/preprocess_data.py"
@@ -41,9 +41,7 @@ def parse_data_path(data_path):
     whitespace-separated words ("0.3 prefixA 0.7 prefixB") is split first, so
     prefixes cannot contain spaces.
     """
-    if isinstance(data_path, str):
-        data_path = [data_path]
-    words = [word for item in data_path for word in item.split()]
+    words = data_path_words(data_path)
     if not words:
         raise DataError("--data-path is empty")
     if len(words) > 1 and is_number(words[0]) and len(words) % 2:

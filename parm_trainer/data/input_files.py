@@ -50,9 +50,13 @@ def named_prefixes(data_path) -> list:
     """The words of --data-path that are not numbers: its prefixes, in both of Megatron-LM's
     forms (prefixes, or weight-prefix pairs). A prefix that is itself a number is left to
     gpt_datasets.parse_data_path, which reads the blend as megatron-core does."""
-    words = [word for item in ([data_path] if isinstance(data_path, str) else data_path)
-             for word in item.split()]
-    return [word for word in words if not is_number(word)]
+    return [word for word in data_path_words(data_path) if not is_number(word)]
+
+
+def data_path_words(data_path) -> list:
+    """--data-path's words: its values, each split at whitespace ("0.3 a 0.7 b" is four)."""
+    items = [data_path] if isinstance(data_path, str) else data_path
+    return [word for item in items for word in item.split()]
 
 
 def check_data_files(prefix: str) -> None:

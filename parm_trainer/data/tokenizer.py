@@ -18,8 +18,8 @@ Types and flags are Megatron-LM's (megatron/training/tokenizer/tokenizer.py):
     HuggingFaceTokenizer    --tokenizer-model DIR  transformers' tokenizer saved in DIR
                             (tokenizer.json), eod = its eos (hf_tokenizer.py)
 
-input_files.check_tokenizer_flags says, in one line, what a type lacks (a flag, a file that exists and is
-readable); build_tokenizer also says what a file holds that the type cannot read.
+input_files.check_tokenizer_flags says, in one line, what a type lacks (a flag, a file that
+exists and is readable); build_tokenizer also says what a file holds that the type cannot read.
 """
 
 import json
@@ -297,6 +297,8 @@ TOKENIZERS = {"SentencePieceTokenizer": SentencePieceTokenizer,
               "GPT2BPETokenizer": GPT2BPETokenizer,
               "NullTokenizer": NullTokenizer,
               "HuggingFaceTokenizer": HuggingFaceTokenizer}
+
+
 def tokenizer_from_args(args):
     """The tokenizer --tokenizer-type names, from the flags it reads (checked first)."""
     check_tokenizer_flags(args)

@@ -3,8 +3,8 @@
 Every patch in parm_trainer/compat/cpu.py is checked twice:
 
 * still needed: megatron-core without the patch still fails on this machine. These checks run
-  in a fresh interpreter (tests/worker_compat_unpatched.py, one subprocess for all of them,
-  `unpatched_failures`) or, for the collectives, on two gloo ranks
+  in a process of their own that never applied the patches (tests/worker_compat_unpatched.py,
+  one for all of them, `unpatched_failures`, forked from the tests' torchrun server) or, for the collectives, on two gloo ranks
   (tests/test_compat_cpu_collectives.py), so the test process stays patched.
 * patched is right: after `cpu.apply()` the patched behaviour matches an independent reference.
 
@@ -16,16 +16,14 @@ import importlib
 import inspect
 import json
 import re
-import subprocess
-import sys
 import types
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import python
 from parm_trainer.compat import cpu
 
 with warnings.catch_warnings():
@@ -45,7 +43,6 @@ pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="cpu.apply() leaves megatron-core untouched where CUDA runs"
 )
 
-REPO = Path(__file__).resolve().parents[1]
 NO_CUDA = "Torch not compiled with CUDA enabled"
 
 # The test(s) covering each patch; test_every_patch_is_covered keeps this in step with PATCHES.
@@ -93,10 +90,7 @@ COVERAGE = {
 @pytest.fixture(scope="module")
 def unpatched_failures():
     """The probe's result: {"errors": {check: error or None}, "applied_with_cuda": [...]}."""
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "worker_compat_unpatched.py")],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )
+    proc = python("tests/worker_compat_unpatched.py", timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

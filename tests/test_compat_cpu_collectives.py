@@ -6,40 +6,30 @@ rows patched. The single-process checks of the same patches: tests/test_compat_c
 """
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import free_port
+from conftest import free_port, torchrun
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="cpu.apply() leaves megatron-core untouched where CUDA runs"
 )
 
-REPO = Path(__file__).resolve().parents[1]
+
 
 
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory):
     """worker_compat_two_ranks.py on two gloo ranks; its per-rank results."""
     tmp = tmp_path_factory.mktemp("two_rank")
-    script = REPO / "tests" / "worker_compat_two_ranks.py"
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-         str(script), str(tmp)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-    )
+    _, output = torchrun(["--nproc-per-node", 2, "--master-port", free_port(),
+                          "tests/worker_compat_two_ranks.py", tmp], timeout=120)
     files = [tmp / f"rank{r}.json" for r in range(2)]
     # The unpatched uneven all-gather leaves gloo's group with a failed collective; a rank can
     # then abort in its teardown, after writing its results ("terminate called without an
     # active exception", seen once under a loaded suite). The results are what is checked.
-    assert all(f.exists() for f in files), proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert all(f.exists() for f in files), output[-6000:]
     return [json.loads(f.read_text()) for f in files]
 
 

@@ -1,5 +1,6 @@
-"""megatron-core without parm_trainer/compat/cpu.py's patches, in a fresh interpreter: which
-of the calls the patches fix still fail here. Prints one JSON line (tests/test_compat_cpu.py)."""
+"""megatron-core without parm_trainer/compat/cpu.py's patches, in a process that never applied
+them: which of the calls the patches fix still fail here. Prints one JSON line
+(tests/test_compat_cpu.py, through conftest.python)."""
 import json, traceback, types, warnings
 warnings.simplefilter("ignore")
 import torch

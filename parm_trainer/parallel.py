@@ -13,7 +13,7 @@ import datetime
 import os
 
 import torch
-from parm_trainer import node_reduce, node_relay
+from parm_trainer import gloo_device, node_reduce, node_relay
 
 
 
@@ -37,6 +37,8 @@ def initialize_distributed(args: argparse.Namespace, stages=None) -> None:
     (planning/layout.recorded_stages), for the checkpoints."""
     from megatron.core import parallel_state
 
+    if args.distributed_backend == "gloo":
+        gloo_device.share_one_device()
     if not torch.distributed.is_initialized():
         if args.distributed_backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

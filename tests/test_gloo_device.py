@@ -1,0 +1,52 @@
+"""parm_trainer/gloo_device.py: the gloo groups of a process on one shared device."""
+
+import datetime
+import os
+import threading
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from parm_trainer import gloo_device
+
+
+def _loop_threads() -> int:
+    """This process's gloo transport loops (one thread per device, named by gloo)."""
+    tasks = f"/proc/{os.getpid()}/task"
+    names = []
+    for task in os.listdir(tasks):
+        try:
+            names.append(open(f"{tasks}/{task}/comm").read().strip())
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return names.count("gloo_tcp_loop")
+
+
+def test_groups_share_one_device_and_reduce_as_before(monkeypatch):
+    """Two ranks in two threads of this process, 6 groups each, built as torch.distributed
+    builds a gloo group: at most one new loop thread for the 12 (torch's own: one each), every
+    group a ProcessGroupGloo to torch's isinstance checks, and 6 all-reduces in turn correct."""
+    monkeypatch.setattr(distributed_c10d, "ProcessGroupGloo", distributed_c10d.ProcessGroupGloo)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    gloo_device.share_one_device()
+    store, before, out = dist.HashStore(), _loop_threads(), {}
+
+    def rank(r):
+        groups = [distributed_c10d.ProcessGroupGloo(dist.PrefixStore(f"group{i}", store), r, 2,
+                                                    timeout=datetime.timedelta(seconds=60))
+                  for i in range(6)]
+        x = torch.tensor([float(r + 1)])
+        for group in groups:
+            group.allreduce([x]).wait()
+        out[r] = (x.item(), all(isinstance(g, distributed_c10d.ProcessGroupGloo) and
+                                isinstance(g, dist.ProcessGroupGloo) for g in groups))
+        out[f"loops{r}"] = _loop_threads()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert out[0] == out[1] == (3.0 * 2 ** 5, True), out
+    assert max(out["loops0"], out["loops1"]) - before <= 1, (before, out)

@@ -430,12 +430,15 @@ def pytest_collection_modifyitems(items):
     """Mark the tests that start processes; then order the session longest first, as far as
     the markers tell: the tests of the machine's shared state (a minute or more each, never
     two of a kind at once), then the other launches, then the in-process tests, which fill
-    the cores at the end instead of leaving one idle while the other ends a long test."""
+    the cores at the end instead of leaving one idle while the other ends a long test. The
+    `alone` tests come last: earlier, their worker sat idle until the other's test ended
+    (22-27 s a session); at the end the other worker is done or nearly."""
     for item in items:
         fixtures = getattr(item, "_fixtureinfo", None)
         defs = fixtures.name2fixturedefs.values() if fixtures else ()
         if _function_launches(item.function) or any(_function_launches(d[-1].func)
                                                     for d in defs if d):
             item.add_marker(pytest.mark.launches)
-    items.sort(key=lambda item: (item.get_closest_marker("one_at_a_time") is None,
+    items.sort(key=lambda item: (item.get_closest_marker("alone") is not None,
+                                 item.get_closest_marker("one_at_a_time") is None,
                                  item.get_closest_marker("launches") is None))

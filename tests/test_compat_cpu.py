@@ -3,9 +3,10 @@
 Every patch in parm_trainer/compat/cpu.py is checked twice:
 
 * still needed: megatron-core without the patch still fails on this machine. These checks run
-  in a process of their own that never applied the patches (tests/worker_compat_unpatched.py,
-  one for all of them, `unpatched_failures`, forked from the tests' torchrun server) or, for the collectives, on two gloo ranks
-  (tests/test_compat_cpu_collectives.py), so the test process stays patched.
+  in a process that never applied the patches (tests/worker_compat_unpatched.py, one for all
+  of them, `unpatched_failures`, forked from the tests' torchrun server) or, for the
+  collectives, on two gloo ranks (tests/test_compat_cpu_collectives.py), so the test process
+  stays patched.
 * patched is right: after `cpu.apply()` the patched behaviour matches an independent reference.
 
 A patch that megatron-core no longer needs makes its "still needed" test fail: drop the patch

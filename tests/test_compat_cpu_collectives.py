@@ -17,8 +17,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-
-
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory):
     """worker_compat_two_ranks.py on two gloo ranks; its per-rank results."""

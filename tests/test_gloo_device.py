@@ -3,6 +3,7 @@
 import datetime
 import os
 import threading
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -13,11 +14,10 @@ from parm_trainer import gloo_device
 
 def _loop_threads() -> int:
     """This process's gloo transport loops (one thread per device, named by gloo)."""
-    tasks = f"/proc/{os.getpid()}/task"
     names = []
-    for task in os.listdir(tasks):
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
         try:
-            names.append(open(f"{tasks}/{task}/comm").read().strip())
+            names.append((task / "comm").read_text().strip())
         except OSError:  # a thread that ended meanwhile
             pass
     return names.count("gloo_tcp_loop")

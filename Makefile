@@ -62,7 +62,7 @@ demo-bert: setup data-bert
 # marked `alone` with no other). Three were slower (1308 s against 1198 s on 2026-12-07, with
 # the tests that time a failure kept to one other) or broke those tests' bounds.
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) tests --cpu-top 15
 
 # the tests that start no process (marked in tests/conftest.py from their code): under a minute
 test-fast: setup

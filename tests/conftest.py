@@ -23,7 +23,8 @@ from torchrun_server import RENDEZVOUS_HUNG
 
 # fixtures kept in modules of their own: the data sets, what the bad-input tests share, and
 # how the tests share the machine under pytest -n
-pytest_plugins = ["data_fixtures", "bad_input_fixtures", "world_fixtures", "sharing_fixtures"]
+pytest_plugins = ["data_fixtures", "bad_input_fixtures", "world_fixtures", "sharing_fixtures",
+                  "cpu_per_test"]
 
 ROOT = Path(__file__).resolve().parents[1]
 # auto's start-up measurements (parm_trainer/schedule/tune.py) in one cache for the whole

@@ -20,6 +20,7 @@ import pytest
 
 _TICK = os.sysconf("SC_CLK_TCK")
 _START = pytest.StashKey[float]()
+_SEEN: list = []  # (CPU seconds, node id) of each test, where the reports arrive
 
 
 def tree_cpu_s(root: int) -> float:
@@ -72,9 +73,6 @@ def pytest_runtest_logreport(report):
     cpu = dict(report.user_properties).get("cpu_s") if report.when == "teardown" else None
     if cpu is not None:
         _SEEN.append((cpu, report.nodeid))
-
-
-_SEEN: list = []
 
 
 def pytest_terminal_summary(terminalreporter, config):

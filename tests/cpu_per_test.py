@@ -1,7 +1,8 @@
 """`--cpu-top N`: the N tests whose processes used the most CPU, after the session.
 
 Under `-n 2` a test's wall time says as much about what the other worker ran beside it as about
-the test (the same test moves +-30 % from run to run); the CPU its processes used does not. A
+the test (the same test moves +-30 % from run to run); the CPU its processes used
+moves less (the 4-rank layer test: 88-104 core-s in six runs, 63-83 s of wall time). A
 test's CPU here is what its worker and the worker's descendants used from the test's setup to
 the end of its teardown: for each process of the tree, its own user + system time and that of
 the children it has reaped (/proc/PID/stat), so ranks that ended count through the launcher

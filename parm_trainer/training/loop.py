@@ -124,6 +124,7 @@ class Trainer:
         self.model = build_model(args, self.config, model_provider)
         self.optimizer, self.scheduler = build_optimizer(args, self.model, self.timers)
         wire_config(self.config, self.model, self.optimizer)
+        manual_gc.freeze_startup()  # saves and loads collect only what came after
         if param_gather.overlapped(self.model):  # read from megatron-core's DDP itself
             print_rank_0("--overlap-param-gather: the updated parameters are gathered bucket by "
                          "bucket in the next forward pass (megatron-core DDP's pre-hooks)")

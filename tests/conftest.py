@@ -131,6 +131,7 @@ def _torchrun_server():
 @pytest.fixture(scope="session", autouse=True)
 def _stop_torchrun_server():
     yield
+    Path(f"/tmp/parm_launch_python_{os.getpid()}").unlink(missing_ok=True)
     if "process" in _SERVER:
         _SERVER["process"].kill()
         _SERVER["process"].wait()
@@ -238,25 +239,45 @@ def launch(nproc: int, args: list, tmp_path: Path, timeout: float = 300,
     return Run(status, output, seconds, losses)
 
 
-def launch_sh(nproc: int, args: list, env: dict = None, timeout: float = 120,
-              script: str = "pretrain_gpt_moe.py") -> Run:
-    """`bash scripts/launch.sh SCRIPT ARGS` on nproc local ranks, as a user runs a job: its
-    output as a terminal shows it (stdout and stderr in one stream)."""
+def _launch_sh_env(nproc: int, env: dict, real: bool) -> dict:
+    """The environment of `bash scripts/launch.sh` on nproc ranks: its Python, unless `real` or
+    PARM_TEST_REAL_TORCHRUN=1, tests/launch_client.py (the wrapper and its ranks forked from
+    tests/torchrun_server.py; the real launch: the slurm and emulated-cluster tests)."""
     env = {**os.environ, **LAUNCH_ENV, "NPROC_PER_NODE": str(nproc),
            "MASTER_PORT": str(free_port()), **(env or {})}
-    start = time.monotonic()
-    result = subprocess.run(["bash", "scripts/launch.sh", script, *map(str, args)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            timeout=timeout, env=env)
+    if real or os.environ.get("PARM_TEST_REAL_TORCHRUN") == "1":
+        return env
+    python = Path(f"/tmp/parm_launch_python_{os.getpid()}")
+    if not python.exists():  # launch.sh runs "$PYTHON": one executable path
+        python.write_text(f"#!/bin/sh\nexec '{sys.executable}' '{ROOT}/tests/launch_client.py' "
+                          '"$@"\n')
+        python.chmod(0o755)
+    return {**env, "PYTHON": str(python), "PARM_TEST_TORCHRUN_SOCKET": _torchrun_server()}
+
+
+def launch_sh(nproc: int, args: list, env: dict = None, timeout: float = 120,
+              script: str = "pretrain_gpt_moe.py", real: bool = False) -> Run:
+    """`bash scripts/launch.sh SCRIPT ARGS` on nproc local ranks, as a user runs a job: its
+    output as a terminal shows it (stdout and stderr in one stream). A launch where a rank's
+    rendezvous hung (torchrun_server.watch_rendezvous) runs once more."""
+    for _ in range(2):
+        start = time.monotonic()
+        result = subprocess.run(["bash", "scripts/launch.sh", script, *map(str, args)],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, timeout=timeout, env=_launch_sh_env(nproc, env, real))
+        if RENDEZVOUS_HUNG not in result.stdout:
+            break
     return Run(result.returncode, result.stdout, time.monotonic() - start, [])
 
 
 def launch_sh_until(nproc: int, args: list, pattern: str = None, then=None,
-                    timeout: float = 300):
+                    timeout: float = 300, env: dict = None, real: bool = False):
     """scripts/launch.sh on nproc ranks, its output read as it comes: at the first line matching
-    `pattern`, then(match, the torchrun process, its ranks); (exit status, the whole output)."""
-    env = {**os.environ, "NPROC_PER_NODE": str(nproc), "MASTER_PORT": str(free_port()),
-           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
+    `pattern`, then(match, the launcher (signals to it reach torchrun's wrapper), its ranks in
+    local-rank order); (exit status, the whole output)."""
+    pid_file = Path(f"/tmp/parm_launch_pid_{os.getpid()}_{time.monotonic_ns()}")
+    env = {**_launch_sh_env(nproc, env, real), "PYTHONUNBUFFERED": "1",
+           "PARM_TEST_LAUNCH_PID_FILE": str(pid_file)}
     job = subprocess.Popen(["bash", "scripts/launch.sh", "pretrain_gpt_moe.py", *map(str, args)],
                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True, env=env, start_new_session=True)
@@ -265,15 +286,27 @@ def launch_sh_until(nproc: int, args: list, pattern: str = None, then=None,
         for line in _lines_until_the_end(job, deadline):
             lines.append(line)
             if pattern and matched is None and (matched := re.search(pattern, line)):
-                launcher = psutil.Process(job.pid)  # launch.sh execs the torchrun wrapper
-                then(matched, launcher, [rank for rank in launcher.children()
-                                         if "pretrain_gpt_moe.py" in " ".join(rank.cmdline())])
+                launcher = psutil.Process(job.pid)  # launch.sh execs the wrapper or its client
+                then(matched, launcher, _ranks(launcher, pid_file))
         job.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:  # the ranks too (its process group), not only the launcher, past the timeout
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(job.pid, signal.SIGKILL)
+            os.killpg(job.pid, signal.SIGKILL)  # a served launch: the server ends it
         job.wait()
+        pid_file.unlink(missing_ok=True)
     return job.returncode, "".join(lines)
+
+
+def _ranks(launcher, pid_file: Path) -> list:
+    """The launch's ranks in local-rank order: a served launch's are its wrapper's children in
+    the order they were forked (torchrun forks them rank by rank; their environment in /proc is
+    the server's), a real one's read from theirs."""
+    if pid_file.exists():
+        return sorted(psutil.Process(int(pid_file.read_text())).children(),
+                      key=lambda rank: rank.pid)
+    ranks = [rank for rank in launcher.children()
+             if "pretrain_gpt_moe.py" in " ".join(rank.cmdline())]
+    return sorted(ranks, key=lambda rank: int(rank.environ()["LOCAL_RANK"]))
 
 
 def _lines_until_the_end(job, deadline: float, after_exit_s: float = 10.0):

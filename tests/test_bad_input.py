@@ -45,8 +45,9 @@ def test_missing_data_path(gpt_data, tmp_path):
 
 def test_launch_sh_ends_with_the_error_line(gpt_data):
     """argparse's line (after its usage) and a busy MASTER_PORT, through scripts/launch.sh:
-    the job's last line names the cause; torchrun's report only in its log file."""
-    run = launch_sh(1, tiny_gpt_args(gpt_data, **{"num-experts": "four"}))
+    the job's last line names the cause; torchrun's report only in its log file (the real
+    launch: a served one's ranks are functions torchrun's report names otherwise)."""
+    run = launch_sh(1, tiny_gpt_args(gpt_data, **{"num-experts": "four"}), real=True)
     assert run.returncode != 0
     assert last_line(run.output) == ("pretrain_gpt_moe.py: error: argument --num-experts: "
                                      "invalid int value: 'four'"), run.output[-3000:]

@@ -1,6 +1,6 @@
-"""Resume is exact: a 20-iteration run on 4 ranks (saves in the background, --async-save) whose
-rank 2 is killed at iteration 11, while the save of 10 is being written, restarts (MAX_RESTARTS),
-resumes from its save at 5 and gives the straight (synchronously saving) run's losses.
+"""Resume is exact: a 12-iteration run on 4 ranks (saves in the background, --async-save) whose
+rank 2 is killed at iteration 7, while the save of 6 is being written, restarts (MAX_RESTARTS),
+resumes from its save at 3 and gives the straight (synchronously saving) run's losses.
 
 Dropout is on, so the RNG streams must be restored too; the distributed optimizer's state
 goes through dist_checkpointing's resharding format; the data sampler restarts from the saved
@@ -13,12 +13,11 @@ import os
 import random
 import re
 import signal
-import subprocess
 
 import pytest
 
 import parm_trainer
-from conftest import (ROOT, assert_clean_failure, free_port, launch, launch_sh_until, max_relative,
+from conftest import (assert_clean_failure, launch, launch_sh, launch_sh_until, max_relative,
                       tiny_gpt_args)
 from parm_trainer.training.checkpoint.files import TRACKER
 from parm_trainer.training.checkpoint import read_description
@@ -27,58 +26,53 @@ from parm_trainer.training.checkpoint import read_description
 LAYOUT = {"tensor-model-parallel-size": 2, "expert-model-parallel-size": 2,
           "expert-tensor-parallel-size": 2, "sequence-parallel": True,
           "use-distributed-optimizer": True, "hidden-dropout": 0.1,
-          "attention-dropout": 0.1, "lr-warmup-iters": 3, "lr-decay-iters": 20,
-          "train-iters": 20}
+          "attention-dropout": 0.1, "lr-warmup-iters": 3, "lr-decay-iters": 12,
+          "train-iters": 12}
 
 
 @pytest.fixture(scope="module")
 def straight(gpt_data, tmp_path_factory):
-    """20 iterations on 4 ranks with dropout, uninterrupted, saving every 5: (run, its saves)."""
+    """12 iterations on 4 ranks with dropout, uninterrupted, saving every 3: (run, its saves)."""
     root = tmp_path_factory.mktemp("straight")
     ckpt = root / "ckpt"
-    run = launch(4, tiny_gpt_args(gpt_data, **LAYOUT, save=ckpt, **{"save-interval": 5}), root)
+    run = launch(4, tiny_gpt_args(gpt_data, **LAYOUT, save=ckpt, **{"save-interval": 3}), root)
     assert run.returncode == 0, run.output[-4000:]
     return run, ckpt
 
 
 def test_resume_is_exact_after_a_killed_rank(gpt_data, tmp_path, straight):
-    """Rank 2 is killed (PARM_FAULT) at iteration 11 of a 20-iteration run that saves every 5
-    with --async-save: the save of 10 is still out (a save is finalised at the earliest after
-    the next iteration), so the latest checkpoint is 5, itself written in the background. Under
+    """Rank 2 is killed (PARM_FAULT) at iteration 7 of a 12-iteration run that saves every 3
+    with --async-save: the save of 6 is still out (a save is finalised at the earliest after
+    the next iteration), so the latest checkpoint is 3, itself written in the background. Under
     scripts/launch.sh with MAX_RESTARTS=2 every rank restarts, names the unfinished
-    iter_0000010.tmp, resumes from iteration 5 (RNG streams included: dropout is on) and
-    iterations 1-20 give the uninterrupted, synchronously saving run's losses; the saves the
+    iter_0000006.tmp, resumes from iteration 3 (RNG streams included: dropout is on) and
+    iterations 1-12 give the uninterrupted, synchronously saving run's losses; the saves the
     restarted job makes are finalised after later iterations, the last one at the end."""
-    layout = {**LAYOUT, "save-interval": 5}
+    layout = {**LAYOUT, "save-interval": 3}
     straight, straight_ckpt = straight
     ckpt, losses = tmp_path / "ckpt", tmp_path / "l.json"
-    assert (straight_ckpt / "latest_checkpointed_iteration.txt").read_text() == "20"
-    assert sorted(os.listdir(straight_ckpt)) == [f"iter_{i:07d}" for i in (5, 10, 15, 20)] + [
+    assert (straight_ckpt / "latest_checkpointed_iteration.txt").read_text() == "12"
+    assert sorted(os.listdir(straight_ckpt)) == [f"iter_{i:07d}" for i in (3, 6, 9, 12)] + [
         "latest_checkpointed_iteration.txt"]  # no .tmp left
 
-    run = subprocess.run(
-        ["bash", "scripts/launch.sh", "pretrain_gpt_moe.py",
-         *tiny_gpt_args(gpt_data, **layout, save=ckpt, load=ckpt,
-                        **{"log-losses-json": losses, "async-save": True})],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "NPROC_PER_NODE": "4", "MASTER_PORT": str(free_port()),
-             "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MAX_RESTARTS": "2",
-             "PARM_FAULT": "kill:rank=2:iter=11"})
-    output = run.stdout + run.stderr
+    run = launch_sh(4, tiny_gpt_args(gpt_data, **layout, save=ckpt, load=ckpt,
+                                     **{"log-losses-json": losses, "async-save": True}),
+                    env={"MAX_RESTARTS": "2", "PARM_FAULT": "kill:rank=2:iter=7"}, timeout=300)
+    output = run.output
     assert run.returncode == 0, output[-4000:]
-    assert "PARM_FAULT: rank 2: kill at iteration 11" in output
-    assert f"saving checkpoint {ckpt / 'iter_0000010'} in the background" in output
-    assert f"ignored {ckpt / 'iter_0000010.tmp'}: left by a save that did not finish" in output
-    assert f"resumed from {ckpt} at iteration 5" in output
+    assert "PARM_FAULT: rank 2: kill at iteration 7" in output
+    assert f"saving checkpoint {ckpt / 'iter_0000006'} in the background" in output
+    assert f"ignored {ckpt / 'iter_0000006.tmp'}: left by a save that did not finish" in output
+    assert f"resumed from {ckpt} at iteration 3" in output
     assert "RNG streams not restored" not in output
     finalised = re.findall(r"saved checkpoint \S+iter_00000(\d\d) in \d+\.\d\d s \(in the "
                            r"background, finalised at iteration (\d+)", output)
-    assert [int(saved) for saved, _ in finalised] == [5, 10, 15, 20], finalised
+    assert [int(saved) for saved, _ in finalised] == [3, 6, 9, 12], finalised
     assert all(int(at) > int(saved) for saved, at in finalised[:-1]), finalised
     assert sorted(os.listdir(ckpt)) == sorted(os.listdir(straight_ckpt))
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "20"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "12"
     rows = json.loads(losses.read_text())
-    assert [r["iteration"] for r in rows] == list(range(1, 21))
+    assert [r["iteration"] for r in rows] == list(range(1, 13))
     for step, (a, b) in enumerate(zip(straight.loss(), [r["lm loss"] for r in rows]), start=1):
         assert abs(a - b) <= 1e-6 * abs(a), f"iteration {step}: straight {a} vs restarted {b}"
 
@@ -88,26 +82,26 @@ def test_exit_signal_and_duration_save_and_resume_exactly(gpt_data, tmp_path, st
     iteration (sent twice: the second lands in the save), as slurm signals a job step. Every
     rank stops at the same iteration boundary, a whole checkpoint is saved there, the job exits
     0. Resumed with --exit-duration-in-mins so short that it stops after its first iteration,
-    saved again, exit 0; resumed to the end, iterations 1-20 give the uninterrupted run's
+    saved again, exit 0; resumed to the end, iterations 1-12 give the uninterrupted run's
     losses (dropout on)."""
     straight, _ = straight
     ckpt, losses = tmp_path / "ckpt", [tmp_path / "l0.json"]
     common = {**LAYOUT, "save": ckpt, "load": ckpt}
-    at = random.Random().randint(3, 10)
+    at = random.Random().randint(3, 6)
 
     def terminate(_, launcher, ranks):
         assert len(ranks) == 4, ranks
         for process in (launcher, *ranks, *ranks):  # the second time to the ranks: in the save
             process.send_signal(signal.SIGTERM)
 
-    status, output = launch_sh_until(4, 
+    status, output = launch_sh_until(4,
         tiny_gpt_args(gpt_data, **common, **{"exit-signal-handler": True,
                                              "log-losses-json": losses[0]}),
-        rf"^ *iteration +{at}/20 ", terminate)
+        rf"^ *iteration +{at}/12 ", terminate)
     assert status == 0, output[-4000:]
     stopped = int(re.search(r"exiting after iteration (\d+): SIGTERM received "
                             r"\(--exit-signal-handler\), saving a checkpoint here", output)[1])
-    assert at <= stopped < 20, (at, stopped)
+    assert at <= stopped < 11, (at, stopped)
     assert (ckpt / TRACKER).read_text() == str(stopped)
     assert sorted(os.listdir(ckpt)) == [f"iter_{stopped:07d}", TRACKER], "no .tmp left"
 
@@ -123,7 +117,7 @@ def test_exit_signal_and_duration_save_and_resume_exactly(gpt_data, tmp_path, st
     last = launch(4, tiny_gpt_args(gpt_data, **common), tmp_path)
     assert last.returncode == 0, last.output[-4000:]
     rows = json.loads(losses[0].read_text()) + run.losses + last.losses
-    assert [r["iteration"] for r in rows] == list(range(1, 21))
+    assert [r["iteration"] for r in rows] == list(range(1, 13))
     for step, (a, b) in enumerate(zip(straight.loss(), [r["lm loss"] for r in rows]), start=1):
         assert abs(a - b) <= 1e-6 * abs(a), f"iteration {step}: straight {a} vs stopped {b}"
 

@@ -6,9 +6,11 @@ at any phase or failing on a full disk (also written in the background, --async-
 the previous checkpoint latest and loadable, and the next start names what was left over. (A
 rank killed mid-run under MAX_RESTARTS, during a background save: test_checkpoint_resume.py; a
 corrupt latest checkpoint and --ckpt-fallback: test_bad_input.py.) And the tests' own: a
-launch that hangs fails its test at the timeout with every rank's stack.
+launch that hangs fails its test at the timeout with every rank's stack; a launch.sh whose
+launcher is killed ends with it.
 """
 
+import contextlib
 import os
 import random
 import re
@@ -56,9 +58,8 @@ def test_a_rank_stopped_from_outside_ends_the_job_with_one_line(gpt_data, tmp_pa
 
     def stop(_, launcher, ranks):
         time.sleep(delay)
-        target = [process for process in ranks if process.environ().get("RANK") == str(rank)]
-        assert len(target) == 1, ranks
-        target[0].suspend()
+        assert len(ranks) == 4, ranks
+        ranks[rank].suspend()  # in rank order (one node)
         stopped_at.append(time.monotonic())
 
     status, output = launch_sh_until(
@@ -251,3 +252,27 @@ def test_a_rank_ended_by_the_watchdog_takes_its_helpers_with_it(tmp_path):
     while psutil.pid_exists(helper) and psutil.Process(helper).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, "the rank's helper outlived it"
         time.sleep(0.05)
+
+
+def test_a_served_launch_sh_ends_with_its_launcher(gpt_data):
+    """The tests' scripts/launch.sh (tests/launch_client.py as its Python, the wrapper and the
+    ranks forked by the server): the ranks write to the launcher's own output, and when the
+    launcher is killed outright (SIGKILL, nothing passed on) the server ends the launch: no
+    rank trains on unseen."""
+    import psutil
+
+    seen = []
+
+    def kill(_, launcher, ranks):
+        seen.extend(ranks)
+        launcher.kill()
+
+    start = time.monotonic()
+    status, output = launch_sh_until(2, tiny_gpt_args(gpt_data, **{**MOE, "train-iters": 500}),
+                                     r"^ *iteration +2/", kill, timeout=120)
+    assert status == -9 and len(seen) == 2, output[-3000:]
+    assert "iteration      2/500" in output  # the ranks' lines, through the launcher's pipe
+    for rank in seen:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            rank.wait(timeout=max(1.0, start + 60 - time.monotonic()))
+    assert time.monotonic() - start < 60, "the ranks outlived their launcher"

@@ -14,18 +14,24 @@ code as a user's launch runs it; only the imports happened before the fork.
 Protocol, one connection per launch: the client sends one JSON line {"argv": torchrun's
 arguments, "env": the environment, "cwd": ..., "output": a file for stdout and stderr}; or,
 for `python SCRIPT ARGS` (conftest.python: a tool, the imports made already), {"python":
-[SCRIPT, *ARGS], ..., "error": a file for stderr apart}; the server answers a line with the
-launch's process id (its own process group: kill the group to stop every rank), then, when
-it ends, a line with its exit status (negative: the signal).
+[SCRIPT, *ARGS], ..., "error": a file for stderr apart}; or, for `python -m MODULE ARGS`
+(tests/launch_client.py: the torchrun wrapper scripts/launch.sh runs), {"module": [MODULE,
+*ARGS], ...} with the client's stdin, stdout and stderr passed along the socket (SCM_RIGHTS)
+instead of files. The server answers a line with the launch's process id (its own process
+group: kill the group to stop every rank), then, when it ends, a line with its exit status
+(negative: the signal). A client that goes away first takes the launch with it (SIGKILL to
+its process group).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import runpy
 import select
+import signal
 import socket
 import sys
 import threading
@@ -46,6 +52,7 @@ def preload() -> None:
         runpy.run_path(os.path.join(ROOT, script), run_name="__preload__")
     import torch._dynamo  # noqa: F401
     import torch.distributed.run  # noqa: F401
+    import parm_trainer.cluster.torchrun_job  # noqa: F401 (scripts/launch.sh's, launch_client.py)
     # what the converters' processes (conftest.python) build
     from transformers import BertForPreTraining, MixtralForCausalLM, Qwen2MoeForCausalLM  # noqa
     import parm_trainer.convert.hf  # noqa: F401
@@ -104,8 +111,6 @@ def ranks_start_with_fresh_signals() -> None:
     a rank blocked in a collective then outlives the agent's SIGTERM by its 30 s grace. A rank
     of a plain torchrun is a fresh Python and dies at once; so does each rank forked from here
     (what the project installs itself, --exit-signal-handler, comes after)."""
-    import signal
-
     from torch.distributed import run
 
     as_script = run.run_script_path
@@ -154,9 +159,33 @@ def run_python(argv: list) -> None:
     runpy.run_path(argv[0], run_name="__main__")
 
 
-def run_launch(request: dict) -> None:
+def run_module(argv: list) -> None:
+    """`python -m MODULE ARGS` in this process, the working directory first on sys.path."""
+    sys.argv, sys.path[0] = list(argv), os.getcwd()
+    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+
+
+def _redirect(request: dict, fds: list) -> None:
+    """stdout and stderr to the request's files, or stdin, stdout and stderr to the client's."""
+    if fds:
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        return
+    fd = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    if "error" in request:  # stderr apart
+        fd = os.open(request["error"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 2)
+        os.close(fd)
+
+
+def run_launch(request: dict, fds: list) -> None:
     """In the forked child: become the launch (its own process group, environment, directory
-    and output), then torchrun's main, or with "python" that command; never returns."""
+    and output), then torchrun's main, or with "python" or "module" that command; never
+    returns."""
     status = 1
     try:
         atexit._clear()  # a fresh Python has none; the script's own (process_exit.end runs them)
@@ -164,20 +193,15 @@ def run_launch(request: dict) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        fd = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-        if "error" in request:  # stderr apart
-            fd = os.open(request["error"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(fd, 2)
-            os.close(fd)
-        argv = request.get("argv") or request["python"]
+        _redirect(request, fds)
+        argv = request.get("argv") or request.get("python") or request["module"]
         if asks_for_wandb(argv) and "wandb" in sys.modules \
                 and sys.modules["wandb"] is None:  # the preload's skip_wandb_unless_asked
             del sys.modules["wandb"]  # this run logs to wandb: let it import it
         if "python" in request:
             run_python(request["python"])
+        elif "module" in request:
+            run_module(request["module"])
         else:
             from torch.distributed.run import main
 
@@ -198,6 +222,17 @@ def run_launch(request: dict) -> None:
         os._exit(status)
 
 
+def read_request(connection) -> tuple:
+    """(the request, the file descriptors that came with it)."""
+    data, fds, _, _ = socket.recv_fds(connection, 1 << 16, 3)
+    while not data.endswith(b"\n"):
+        more = connection.recv(1 << 16)
+        if not more:
+            break
+        data += more
+    return json.loads(data), fds
+
+
 def serve(path: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -206,19 +241,25 @@ def serve(path: str) -> None:
     running = {}  # pid -> the connection waiting for its status
     parent = os.getppid()
     while os.getppid() == parent:  # a test session killed outright leaves no server behind
-        readable, _, _ = select.select([listener], [], [], 0.05)
-        if readable:
+        readable, _, _ = select.select([listener, *running.values()], [], [], 0.05)
+        if listener in readable:
             connection, _ = listener.accept()
-            request = json.loads(connection.makefile().readline())
+            request, fds = read_request(connection)
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
                 listener.close()
                 connection.close()
-                run_launch(request)
+                run_launch(request, fds)
+            for fd in fds:
+                os.close(fd)
             connection.sendall(f"{pid}\n".encode())
             running[pid] = connection
+        for pid, connection in list(running.items()):
+            if connection in readable and not connection.recv(1):  # the client went away
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
         for pid in list(running):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:

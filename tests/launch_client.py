@@ -1,0 +1,49 @@
+"""The Python that scripts/launch.sh runs in the tests (its PYTHON): `$PYTHON -m
+parm_trainer.cluster.torchrun_job ARGS` asked of tests/torchrun_server.py, which runs that
+module in a process forked from itself (torch and megatron-core imported once) with this
+process's stdin, stdout and stderr, and its torchrun forks the ranks (--run-path
+--start-method fork) instead of starting a fresh Python for each, about 5 s of CPU apiece.
+launch.sh's own part (its checks, the environment read into torchrun's flags) runs as a user's
+does. This process stands for the launcher: the signals it gets go on to the wrapper, it ends
+with the wrapper's status (a signal as that signal), and where it is killed the server ends
+the launch. PARM_TEST_LAUNCH_PID_FILE, where set, gets the wrapper's process id (its ranks
+are its children). Only the standard library: it starts in milliseconds.
+"""
+
+import json
+import os
+import signal
+import socket
+import sys
+
+MODULE = "parm_trainer.cluster.torchrun_job"
+PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+             signal.SIGUSR2)
+
+
+def main(argv: list) -> int:
+    if argv[:2] != ["-m", MODULE]:
+        print(f"launch_client.py: only `-m {MODULE} ARGS`, not {argv[:2]}", file=sys.stderr)
+        return 2
+    request = {"module": [MODULE, "--run-path", "--start-method", "fork", *argv[2:]],
+               "env": dict(os.environ), "cwd": os.getcwd()}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.connect(os.environ["PARM_TEST_TORCHRUN_SOCKET"])
+        socket.send_fds(server, [(json.dumps(request) + "\n").encode()], [0, 1, 2])
+        replies = server.makefile()
+        pid = int(replies.readline())
+        if os.environ.get("PARM_TEST_LAUNCH_PID_FILE"):
+            with open(os.environ["PARM_TEST_LAUNCH_PID_FILE"], "w") as f:
+                f.write(str(pid))
+        for signum in PASSED_ON:
+            signal.signal(signum, lambda received, _: os.kill(pid, received))
+        line = replies.readline()  # a signal passed on interrupts nothing here (PEP 475)
+        status = int(line) if line.strip() else 1  # no status: the server went away
+    if status < 0:  # ended by a signal: this process ends the same way
+        signal.signal(-status, signal.SIG_DFL)
+        os.kill(os.getpid(), -status)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -210,19 +210,19 @@ GPT3_LAYOUTS = {2: {"--tensor-model-parallel-size": "2", "--pipeline-model-paral
                 4: {"--tensor-model-parallel-size": "2", "--pipeline-model-parallel-size": "2"}}
 GPT3_SIZES = {
     "--num-layers": "4", "--hidden-size": "64", "--num-attention-heads": "4",
-    "--seq-length": "64", "--max-position-embeddings": "64", "--global-batch-size": "8",
-    "--rampup-batch-size": ["2", "2", "8"], "--train-iters": "40", "--lr-decay-iters": "40",
-    "--log-interval": "1", "--save-interval": "40", "--eval-interval": "20", "--eval-iters": "1",
+    "--seq-length": "64", "--max-position-embeddings": "64", "--global-batch-size": "4",
+    "--rampup-batch-size": ["2", "2", "8"], "--train-iters": "24", "--lr-decay-iters": "24",
+    "--log-interval": "1", "--save-interval": "24", "--eval-interval": "12", "--eval-iters": "1",
     "--split": "90,5,5"}
 
 
 def ramped_sizes(iterations: int) -> list:
     """The global batch of each iteration by megatron-core's own calculator, fed the samples
-    consumed before it (--rampup-batch-size 2 2 8 to 8, micro-batch 1, one data-parallel rank)."""
+    consumed before it (--rampup-batch-size 2 2 8 to 4, micro-batch 1, one data-parallel rank)."""
     from megatron.core.num_microbatches_calculator import (
         RampupBatchsizeNumMicroBatchesCalculator)
 
-    ramp, consumed, sizes = RampupBatchsizeNumMicroBatchesCalculator(8, 1, 1, False, -1, 2, 2,
+    ramp, consumed, sizes = RampupBatchsizeNumMicroBatchesCalculator(4, 1, 1, False, -1, 2, 2,
                                                                      8), 0, []
     for _ in range(iterations):
         ramp.update(consumed, consistency_check=True)
@@ -243,16 +243,17 @@ def test_gpt3_recipe_trains(nproc, gpt2_data, tmp_path):
                          "TENSORBOARD_LOGS_PATH": tmp_path / "tensorboard"})
     run = launch(nproc, argv, tmp_path)
     assert run.returncode == 0, run.output[-4000:]
-    assert [row["iteration"] for row in run.losses] == list(range(1, 41))
-    assert [row.get("global batch size", 8) for row in run.losses] == ramped_sizes(40)
+    assert [row["iteration"] for row in run.losses] == list(range(1, 25))
+    assert [row.get("global batch size", 4) for row in run.losses] == ramped_sizes(24)
     # the default --initial-loss-scale 2^32 overflows fp16 gradients: steps are skipped, the
-    # scale halved every --hysteresis 2 of them, until one step's gradients fit
+    # scale halved every --hysteresis 2 of them, until one step's gradients fit (at 2^19,
+    # the 15th step, here)
     skipped = [row["number of skipped iterations"] for row in run.losses]
     first = skipped.index(0)
     assert first >= 2 and set(skipped[:first]) == {1} and skipped[-1] == 0
     assert run.losses[first]["loss scale"] <= 2.0 ** 32 / 2 ** (first // 2)
     assert all(0 < row["lm loss"] < 20 for row in run.losses[first:])
-    saved = json.loads((tmp_path / "ckpt" / "iter_0000040" / "run.json").read_text())["args"]
+    saved = json.loads((tmp_path / "ckpt" / "iter_0000024" / "run.json").read_text())["args"]
     assert saved["tokenizer_type"] == "GPT2BPETokenizer" and saved["fp16"]
     assert list((tmp_path / "tensorboard").iterdir())
 

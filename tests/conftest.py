@@ -239,20 +239,27 @@ def launch(nproc: int, args: list, tmp_path: Path, timeout: float = 300,
     return Run(status, output, seconds, losses)
 
 
-def _launch_sh_env(nproc: int, env: dict, real: bool) -> dict:
-    """The environment of `bash scripts/launch.sh` on nproc ranks: its Python, unless `real` or
-    PARM_TEST_REAL_TORCHRUN=1, tests/launch_client.py (the wrapper and its ranks forked from
-    tests/torchrun_server.py; the real launch: the slurm and emulated-cluster tests)."""
-    env = {**os.environ, **LAUNCH_ENV, "NPROC_PER_NODE": str(nproc),
-           "MASTER_PORT": str(free_port()), **(env or {})}
-    if real or os.environ.get("PARM_TEST_REAL_TORCHRUN") == "1":
-        return env
-    python = Path(f"/tmp/parm_launch_python_{os.getpid()}")
-    if not python.exists():  # launch.sh runs "$PYTHON": one executable path
-        python.write_text(f"#!/bin/sh\nexec '{sys.executable}' '{ROOT}/tests/launch_client.py' "
+def served_env(python: bool = True) -> dict:
+    """The environment that sends scripts/launch.sh's wrapper (PYTHON, unless not `python`)
+    and the tools' torchrun (PARM_TORCHRUN) to tests/torchrun_server.py, through
+    tests/launch_client.py; empty under PARM_TEST_REAL_TORCHRUN=1."""
+    if os.environ.get("PARM_TEST_REAL_TORCHRUN") == "1":
+        return {}
+    client = Path(f"/tmp/parm_launch_python_{os.getpid()}")
+    if not client.exists():  # launch.sh runs "$PYTHON": one executable path
+        client.write_text(f"#!/bin/sh\nexec '{sys.executable}' '{ROOT}/tests/launch_client.py' "
                           '"$@"\n')
-        python.chmod(0o755)
-    return {**env, "PYTHON": str(python), "PARM_TEST_TORCHRUN_SOCKET": _torchrun_server()}
+        client.chmod(0o755)
+    env = {"PARM_TORCHRUN": f"{client} -m torch.distributed.run",
+           "PARM_TEST_TORCHRUN_SOCKET": _torchrun_server()}
+    return {**env, "PYTHON": str(client)} if python else env
+
+
+def _launch_sh_env(nproc: int, env: dict, real: bool) -> dict:
+    """The environment of `bash scripts/launch.sh` on nproc ranks: served (served_env) unless
+    `real` (the real launch: the slurm and emulated-cluster tests, torchrun's report)."""
+    return {**os.environ, **LAUNCH_ENV, "NPROC_PER_NODE": str(nproc),
+            "MASTER_PORT": str(free_port()), **(env or {}), **({} if real else served_env())}
 
 
 def launch_sh(nproc: int, args: list, env: dict = None, timeout: float = 120,

@@ -1,10 +1,11 @@
-"""The Python that scripts/launch.sh runs in the tests (its PYTHON): `$PYTHON -m
-parm_trainer.cluster.torchrun_job ARGS` asked of tests/torchrun_server.py, which runs that
-module in a process forked from itself (torch and megatron-core imported once) with this
-process's stdin, stdout and stderr, and its torchrun forks the ranks (--run-path
---start-method fork) instead of starting a fresh Python for each, about 5 s of CPU apiece.
-launch.sh's own part (its checks, the environment read into torchrun's flags) runs as a user's
-does. This process stands for the launcher: the signals it gets go on to the wrapper, it ends
+"""The Python that scripts/launch.sh runs in the tests (its PYTHON), and the tools' torchrun
+(PARM_TORCHRUN, `launch_client -m torch.distributed.run`): `-m
+parm_trainer.cluster.torchrun_job ARGS` or `-m torch.distributed.run ARGS` asked of
+tests/torchrun_server.py, which runs it in a process forked from itself (torch and
+megatron-core imported once) with this process's stdin, stdout and stderr, and torchrun forks
+the ranks (--run-path --start-method fork) instead of starting a fresh Python for each, about
+5 s of CPU apiece. launch.sh's own part (its checks, the environment read into torchrun's
+flags) and the tools' run as a user's do. This process stands for the launcher: the signals it gets go on to the wrapper, it ends
 with the wrapper's status (a signal as that signal), and where it is killed the server ends
 the launch. PARM_TEST_LAUNCH_PID_FILE, where set, gets the wrapper's process id (its ranks
 are its children). Only the standard library: it starts in milliseconds.
@@ -16,17 +17,21 @@ import signal
 import socket
 import sys
 
-MODULE = "parm_trainer.cluster.torchrun_job"
+WRAPPER, TORCHRUN = "parm_trainer.cluster.torchrun_job", "torch.distributed.run"
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)
 
 
 def main(argv: list) -> int:
-    if argv[:2] != ["-m", MODULE]:
-        print(f"launch_client.py: only `-m {MODULE} ARGS`, not {argv[:2]}", file=sys.stderr)
+    if argv[:1] != ["-m"] or argv[1:2] not in ([WRAPPER], [TORCHRUN]):
+        print(f"launch_client.py: only `-m {WRAPPER}|{TORCHRUN} ARGS`, not {argv[:2]}",
+              file=sys.stderr)
         return 2
-    request = {"module": [MODULE, "--run-path", "--start-method", "fork", *argv[2:]],
-               "env": dict(os.environ), "cwd": os.getcwd()}
+    # torchrun: the server's own call of its main (with --run-path --start-method fork); the
+    # wrapper: run as `python -m` runs it, torchrun's arguments told the same
+    request = {"argv": argv[2:]} if argv[1] == TORCHRUN else \
+        {"module": [WRAPPER, "--run-path", "--start-method", "fork", *argv[2:]]}
+    request.update(env=dict(os.environ), cwd=os.getcwd())
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
         server.connect(os.environ["PARM_TEST_TORCHRUN_SOCKET"])
         socket.send_fds(server, [(json.dumps(request) + "\n").encode()], [0, 1, 2])

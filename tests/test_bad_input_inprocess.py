@@ -396,3 +396,24 @@ def test_launchers_refuse(script, env, args, needle):
     assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
     (line,) = result.stderr.splitlines()
     assert line.startswith(needle), line
+
+
+def test_torchrun_command_must_exist(monkeypatch):
+    """PARM_TORCHRUN (the command the tools start torchrun with) naming no command: one line,
+    status 1, from a tool's --nproc; unset, this Python's torchrun; set, its words."""
+    import sys
+
+    from conftest import python
+    from parm_trainer.launch import torchrun_command
+
+    given = "no-such-torchrun -m torch.distributed.run"
+    result = python("tools/calibrate_comm.py", "--nproc", "2", "--output", "/dev/null",
+                    env={"PARM_TORCHRUN": given}, timeout=60)
+    assert result.returncode == 1 and result.stdout == "", result.stdout + result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line == (f"error: PARM_TORCHRUN={given!r}: no command 'no-such-torchrun' (unset it "
+                    "to run this Python's -m torch.distributed.run)"), line
+    monkeypatch.delenv("PARM_TORCHRUN", raising=False)
+    assert torchrun_command() == [sys.executable, "-m", "torch.distributed.run"]
+    monkeypatch.setenv("PARM_TORCHRUN", "env 'torchrun' --flag")
+    assert torchrun_command() == ["env", "torchrun", "--flag"]

@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import python
+from conftest import python, served_env
 from parm_trainer.bench.calibration import collectives, fit
 from parm_trainer.moe.cost_profile import KINDS, Profile
 
@@ -21,10 +21,11 @@ from parm_trainer.moe.cost_profile import KINDS, Profile
 def test_two_rank_calibration_writes_loadable_profile(tmp_path):
     out = tmp_path / "profile.json"
     # the tool's own process forked from the tests' server (conftest.python), its 2 ranks
-    # started by its --nproc (torchrun); one call per timed sample (--calls 1)
+    # started by its --nproc (torchrun, served too: PARM_TORCHRUN); one call per timed sample
+    # (--calls 1)
     result = python("tools/calibrate_comm.py", "--nproc", "2", "--sizes", "4096,65536,524288",
                     "--repeats", "3", "--warmup", "1", "--calls", "1", "--output", out,
-                    env={"OMP_NUM_THREADS": "1"}, timeout=120)
+                    env={"OMP_NUM_THREADS": "1", **served_env(python=False)}, timeout=120)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
 
     profile = Profile.from_json(str(out))

@@ -3,18 +3,20 @@ script is known to work before a GPU machine is spent on it; without --dry-run a
 CUDA it refuses in one line."""
 
 import json
+import os
 import re
 import subprocess
 from types import SimpleNamespace
 
-from conftest import ROOT
+from conftest import ROOT, served_env
 
 
 def test_dry_run_every_stage_passes(gpt_data, tmp_path):
     result = subprocess.run(
         ["bash", "scripts/gpu_smoke.sh", "--dry-run", "--data-path", gpt_data["prefix"],
          "--tokenizer-model", gpt_data["tokenizer"], "--out-dir", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, **served_env(python=False)})  # its torchruns' ranks forked
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
     rows = re.findall(r"^\| (.+?) +\| (\w+) \| [\d.]+ \| (.*) \|$", result.stdout, re.M)
     names = [name for name, _, _ in rows]

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+from parm_trainer.launch import torchrun_command
 from parm_trainer.models.backend import grouped_experts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -33,7 +34,7 @@ def run(command: list, timeout: float) -> tuple:
 
 
 def torchrun(nproc: int) -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+    return [*torchrun_command(), "--nproc-per-node", str(nproc),
             "--master-port", str(29600 + os.getpid() % 300)]
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import sys
 
+from parm_trainer.launch import torchrun_command
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EMULATED_CLUSTER = os.path.join(ROOT, "tools", "emulated_cluster.py")
 
@@ -33,8 +35,8 @@ def launch_command(nproc: int, nodes: int, bandwidth: str, log_dir: str,
     machine under torchrun, or with nodes > 1, nproc / nodes ranks on each of that many
     emulated nodes, their logs in log_dir."""
     if nodes == 1:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", str(nproc), *script_and_args]
+        return [*torchrun_command(), "--standalone", "--nproc-per-node", str(nproc),
+                *script_and_args]
     return [sys.executable, EMULATED_CLUSTER, "--nodes", str(nodes), "--procs-per-node",
             str(nproc // nodes), "--inter-node-bandwidth", bandwidth, "--log-dir", log_dir, "--",
             *script_and_args]

@@ -5,10 +5,12 @@ tests/torchrun_server.py, which runs it in a process forked from itself (torch a
 megatron-core imported once) with this process's stdin, stdout and stderr, and torchrun forks
 the ranks (--run-path --start-method fork) instead of starting a fresh Python for each, about
 5 s of CPU apiece. launch.sh's own part (its checks, the environment read into torchrun's
-flags) and the tools' run as a user's do. This process stands for the launcher: the signals it gets go on to the wrapper, it ends
-with the wrapper's status (a signal as that signal), and where it is killed the server ends
-the launch. PARM_TEST_LAUNCH_PID_FILE, where set, gets the wrapper's process id (its ranks
-are its children). Only the standard library: it starts in milliseconds.
+flags) and the tools' run as a user's do.
+
+This process stands for the launcher: the signals it gets go on to the wrapper, it ends with
+the wrapper's status (a signal as that signal), and where it is killed the server ends the
+launch. PARM_TEST_LAUNCH_PID_FILE, where set, gets the wrapper's process id (its ranks are its
+children). Only the standard library: it starts in milliseconds.
 """
 
 import json

@@ -233,6 +233,14 @@ def read_request(connection) -> tuple:
     return json.loads(data), fds
 
 
+def _receives(connection) -> bool:
+    """Whether a client's connection is still open (a client sends nothing after its request)."""
+    try:
+        return bool(connection.recv(1))
+    except OSError:
+        return False
+
+
 def serve(path: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -249,15 +257,15 @@ def serve(path: str) -> None:
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
-                listener.close()
-                connection.close()
+                for held in (listener, connection, *running.values()):
+                    held.close()
                 run_launch(request, fds)
             for fd in fds:
                 os.close(fd)
             connection.sendall(f"{pid}\n".encode())
             running[pid] = connection
         for pid, connection in list(running.items()):
-            if connection in readable and not connection.recv(1):  # the client went away
+            if connection in readable and not _receives(connection):  # the client went away
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)
         for pid in list(running):

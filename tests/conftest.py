@@ -267,21 +267,32 @@ def launch_sh(nproc: int, args: list, env: dict = None, timeout: float = 120,
     """`bash scripts/launch.sh SCRIPT ARGS` on nproc local ranks, as a user runs a job: its
     output as a terminal shows it (stdout and stderr in one stream). A launch where a rank's
     rendezvous hung (torchrun_server.watch_rendezvous) runs once more."""
+    start, texts = time.monotonic(), []
     for _ in range(2):
-        start = time.monotonic()
         result = subprocess.run(["bash", "scripts/launch.sh", script, *map(str, args)],
                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, timeout=timeout, env=_launch_sh_env(nproc, env, real))
+        texts.append(result.stdout)
         if RENDEZVOUS_HUNG not in result.stdout:
             break
-    return Run(result.returncode, result.stdout, time.monotonic() - start, [])
+        start = time.monotonic()
+    return Run(result.returncode, f"\n{RERUN_NOTE}\n".join(texts), time.monotonic() - start, [])
 
 
 def launch_sh_until(nproc: int, args: list, pattern: str = None, then=None,
                     timeout: float = 300, env: dict = None, real: bool = False):
     """scripts/launch.sh on nproc ranks, its output read as it comes: at the first line matching
     `pattern`, then(match, the launcher (signals to it reach torchrun's wrapper), its ranks in
-    local-rank order); (exit status, the whole output)."""
+    local-rank order); (exit status, the whole output). A launch where a rank's rendezvous hung
+    before the pattern came runs once more."""
+    status, text = _launch_sh_until(nproc, args, pattern, then, timeout, env, real)
+    if RENDEZVOUS_HUNG in text and not (pattern and re.search(pattern, text, re.M)):
+        status, again = _launch_sh_until(nproc, args, pattern, then, timeout, env, real)
+        text = f"{text}\n{RERUN_NOTE}\n{again}"
+    return status, text
+
+
+def _launch_sh_until(nproc, args, pattern, then, timeout, env, real) -> tuple:
     pid_file = Path(f"/tmp/parm_launch_pid_{os.getpid()}_{time.monotonic_ns()}")
     env = {**_launch_sh_env(nproc, env, real), "PYTHONUNBUFFERED": "1",
            "PARM_TEST_LAUNCH_PID_FILE": str(pid_file)}

@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-from conftest import (error_lines, free_port, launch, launch_sh_until, tiny_gpt_args,
-                      torchrun)
+from conftest import (error_lines, free_port, launch, launch_sh, launch_sh_until,
+                      tiny_gpt_args, torchrun)
 
 MOE = {"expert-model-parallel-size": 2, "log-interval": 1}
 
@@ -222,6 +222,10 @@ def test_a_launch_whose_rendezvous_hung_runs_once_more(tmp_path):
     status, output = torchrun(["--nproc-per-node", 2, "--master-port", free_port(), script],
                               env={"PARM_TEST_RENDEZVOUS_HANG_S": "0"}, timeout=120)
     assert status != 0 and output.count(RERUN_NOTE) == 1 and "past init" not in output
+    # scripts/launch.sh in the tests forks its ranks from the same server: the same once more
+    run = launch_sh(2, [], env={"PARM_TEST_RENDEZVOUS_HANG_S": "0"}, script=str(script))
+    assert run.returncode != 0 and run.output.count(RERUN_NOTE) == 1, run.output[-3000:]
+    assert run.output.count(RENDEZVOUS_HUNG) >= 2 and "past init" not in run.output
 
 
 def test_a_rank_ended_by_the_watchdog_takes_its_helpers_with_it(tmp_path):

@@ -170,9 +170,15 @@ def torchrun(argv: list, env: dict = None, timeout: float = 300, real: bool = Fa
         result = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv], cwd=ROOT,
                                 capture_output=True, text=True, timeout=timeout, env=env)
         return result.returncode, result.stdout + result.stderr
-    status, text = _served_launch(argv, env, timeout)
-    if RENDEZVOUS_HUNG in text:  # once more (torchrun_server.watch_rendezvous)
-        status, again = _served_launch(argv, env, timeout)
+    return once_more_if_hung(lambda: _served_launch(argv, env, timeout))
+
+
+def once_more_if_hung(launch, may=lambda text: True) -> tuple:
+    """launch() -> (status, output), once more where a forked rank's rendezvous hung and
+    may(output) allows it (torchrun_server.watch_rendezvous); both outputs kept."""
+    status, text = launch()
+    if RENDEZVOUS_HUNG in text and may(text):
+        status, again = launch()
         text = f"{text}\n{RERUN_NOTE}\n{again}"
     return status, text
 
@@ -240,9 +246,8 @@ def launch(nproc: int, args: list, tmp_path: Path, timeout: float = 300,
 
 
 def served_env(python: bool = True) -> dict:
-    """The environment that sends scripts/launch.sh's wrapper (PYTHON, unless not `python`)
-    and the tools' torchrun (PARM_TORCHRUN) to tests/torchrun_server.py, through
-    tests/launch_client.py; empty under PARM_TEST_REAL_TORCHRUN=1."""
+    """The environment sending launch.sh's wrapper (PYTHON, unless not `python`) and the tools'
+    torchrun (PARM_TORCHRUN) to the server via launch_client.py; none if PARM_TEST_REAL_TORCHRUN=1"""
     if os.environ.get("PARM_TEST_REAL_TORCHRUN") == "1":
         return {}
     client = Path(f"/tmp/parm_launch_python_{os.getpid()}")
@@ -265,18 +270,18 @@ def _launch_sh_env(nproc: int, env: dict, real: bool) -> dict:
 def launch_sh(nproc: int, args: list, env: dict = None, timeout: float = 120,
               script: str = "pretrain_gpt_moe.py", real: bool = False) -> Run:
     """`bash scripts/launch.sh SCRIPT ARGS` on nproc local ranks, as a user runs a job: its
-    output as a terminal shows it (stdout and stderr in one stream). A launch where a rank's
-    rendezvous hung (torchrun_server.watch_rendezvous) runs once more."""
-    start, texts = time.monotonic(), []
-    for _ in range(2):
+    output as a terminal shows it (stdout and stderr in one stream); once_more_if_hung."""
+    started = []  # of each attempt: the run's seconds are its last one's
+
+    def once() -> tuple:
+        started.append(time.monotonic())
         result = subprocess.run(["bash", "scripts/launch.sh", script, *map(str, args)],
                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, timeout=timeout, env=_launch_sh_env(nproc, env, real))
-        texts.append(result.stdout)
-        if RENDEZVOUS_HUNG not in result.stdout:
-            break
-        start = time.monotonic()
-    return Run(result.returncode, f"\n{RERUN_NOTE}\n".join(texts), time.monotonic() - start, [])
+        return result.returncode, result.stdout
+
+    status, output = once_more_if_hung(once)
+    return Run(status, output, time.monotonic() - started[-1], [])
 
 
 def launch_sh_until(nproc: int, args: list, pattern: str = None, then=None,
@@ -285,11 +290,9 @@ def launch_sh_until(nproc: int, args: list, pattern: str = None, then=None,
     `pattern`, then(match, the launcher (signals to it reach torchrun's wrapper), its ranks in
     local-rank order); (exit status, the whole output). A launch where a rank's rendezvous hung
     before the pattern came runs once more."""
-    status, text = _launch_sh_until(nproc, args, pattern, then, timeout, env, real)
-    if RENDEZVOUS_HUNG in text and not (pattern and re.search(pattern, text, re.M)):
-        status, again = _launch_sh_until(nproc, args, pattern, then, timeout, env, real)
-        text = f"{text}\n{RERUN_NOTE}\n{again}"
-    return status, text
+    return once_more_if_hung(
+        lambda: _launch_sh_until(nproc, args, pattern, then, timeout, env, real),
+        may=lambda text: not (pattern and re.search(pattern, text, re.M)))
 
 
 def _launch_sh_until(nproc, args, pattern, then, timeout, env, real) -> tuple:

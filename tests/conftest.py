@@ -247,7 +247,7 @@ def launch(nproc: int, args: list, tmp_path: Path, timeout: float = 300,
 
 def served_env(python: bool = True) -> dict:
     """The environment sending launch.sh's wrapper (PYTHON, unless not `python`) and the tools'
-    torchrun (PARM_TORCHRUN) to the server via launch_client.py; none if PARM_TEST_REAL_TORCHRUN=1"""
+    torchrun (PARM_TORCHRUN) to the server by launch_client.py; none at PARM_TEST_REAL_TORCHRUN=1"""
     if os.environ.get("PARM_TEST_REAL_TORCHRUN") == "1":
         return {}
     client = Path(f"/tmp/parm_launch_python_{os.getpid()}")

@@ -262,7 +262,7 @@ def served_env(python: bool = True) -> dict:
 
 def _launch_sh_env(nproc: int, env: dict, real: bool) -> dict:
     """The environment of `bash scripts/launch.sh` on nproc ranks: served (served_env) unless
-    `real` (the real launch: the slurm and emulated-cluster tests, torchrun's report)."""
+    `real` (a fresh Python for the wrapper and each rank: torchrun's own failure report)."""
     return {**os.environ, **LAUNCH_ENV, "NPROC_PER_NODE": str(nproc),
             "MASTER_PORT": str(free_port()), **(env or {}), **({} if real else served_env())}
 

@@ -9,10 +9,12 @@ flags) and the tools' run as a user's do.
 
 This process stands for the launcher: the signals it gets go on to the wrapper, it ends with
 the wrapper's status (a signal as that signal), and where it is killed the server ends the
-launch. PARM_TEST_LAUNCH_PID_FILE, where set, gets the wrapper's process id (its ranks are its
+launch, which runs in this process's network and mount namespaces (an emulated node's).
+PARM_TEST_LAUNCH_PID_FILE, where set, gets the wrapper's process id (its ranks are its
 children). Only the standard library: it starts in milliseconds.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -20,8 +22,21 @@ import socket
 import sys
 
 WRAPPER, TORCHRUN = "parm_trainer.cluster.torchrun_job", "torch.distributed.run"
+NAMESPACES = ("net", "mnt")  # the order tests/torchrun_server.py joins them in
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)
+
+
+@contextlib.contextmanager
+def namespaces():
+    """This process's network and mount namespaces (open files), which the launch joins: a
+    client started in an emulated node (`ip netns exec`) gets ranks on that node's link."""
+    fds = [os.open(f"/proc/self/ns/{kind}", os.O_RDONLY) for kind in NAMESPACES]
+    try:
+        yield fds
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def main(argv: list) -> int:
@@ -36,7 +51,8 @@ def main(argv: list) -> int:
     request.update(env=dict(os.environ), cwd=os.getcwd())
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
         server.connect(os.environ["PARM_TEST_TORCHRUN_SOCKET"])
-        socket.send_fds(server, [(json.dumps(request) + "\n").encode()], [0, 1, 2])
+        with namespaces() as joined:
+            socket.send_fds(server, [(json.dumps(request) + "\n").encode()], [0, 1, 2, *joined])
         replies = server.makefile()
         pid = int(replies.readline())
         if os.environ.get("PARM_TEST_LAUNCH_PID_FILE"):

@@ -1,6 +1,8 @@
 """tools/emulated_cluster.py: a real multi-node launch (scripts/launch.sh in two network
 namespaces over a shaped bridge) trains the same model as one node, and nothing the tool
 creates outlives it, also when the command fails. Needs root and `ip netns`; skipped elsewhere.
+The nodes' ranks are forked by the tests' torchrun server inside each node's namespaces
+(conftest.served_env), but where the tool stops a node's ranks by their environment.
 """
 
 import json
@@ -15,8 +17,9 @@ import time
 
 import pytest
 
-from conftest import ROOT, free_port, launch, tiny_gpt_args
+from conftest import ROOT, free_port, launch, served_env, tiny_gpt_args
 from parm_trainer.cluster.netns import default_tag
+from torchrun_server import RENDEZVOUS_HUNG
 
 TOOL = ROOT / "tools/emulated_cluster.py"
 
@@ -44,18 +47,26 @@ def _leftovers(tag):
     return [name for name in ours if re.fullmatch(rf"{tag}(\D.*)?", name)]
 
 
-def emulated(command, tmp_path, *flags, timeout=300):
-    """The tool's run (as subprocess.run gives it) and what is left of its cluster."""
+def emulated(command, tmp_path, *flags, timeout=300, served=True):
+    """The tool's run (as subprocess.run gives it) and what is left of its cluster. Unless not
+    `served`, each node's launch.sh runs its wrapper through launch_client.py (conftest.served_env:
+    the ranks forked by the tests' torchrun server, in the node's namespaces), once more where a
+    forked rank's rendezvous hung."""
     argv = [sys.executable, str(TOOL), "--nodes", "2", "--procs-per-node", "2", "--log-dir",
             str(tmp_path / "logs"), "--master-port", str(free_port()), "--grace", "10", *flags,
             "--", *command]
-    with subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}) as tool:
-        try:
-            out, err = tool.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            tool.kill()
-            raise
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", **(served_env() if served else {})}
+    for attempt in range(2 if served else 1):
+        with subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) as tool:
+            try:
+                out, err = tool.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                tool.kill()
+                raise
+        logs = "".join(path.read_text() for path in (tmp_path / "logs").glob("node*.log"))
+        if RENDEZVOUS_HUNG not in logs:
+            break
     left = _leftovers(default_tag(tool.pid))
     return subprocess.CompletedProcess(argv, tool.returncode, out, err), left
 
@@ -116,7 +127,7 @@ def test_a_node_stopped_from_outside_ends_the_job_with_one_line(gpt_data, tmp_pa
     command = ["pretrain_gpt_moe.py", *tiny_gpt_args(gpt_data, **flags, save=tmp_path / "c")]
     start = time.monotonic()
     run, left = emulated(command, tmp_path, "--inter-node-bandwidth", "200mbit",
-                         "--stop-node-at", f"iteration {after:6d}/")
+                         "--stop-node-at", f"iteration {after:6d}/", served=False)
     took = time.monotonic() - start
     output = run.stdout + run.stderr
     stop = re.search(r"stopped node 1's ranks \[2, 3\] \(SIGSTOP\) ([0-9.]+) s after", output)

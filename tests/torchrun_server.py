@@ -17,7 +17,7 @@ for `python SCRIPT ARGS` (conftest.python: a tool, the imports made already), {"
 [SCRIPT, *ARGS], ..., "error": a file for stderr apart}; or, for `python -m MODULE ARGS`
 (tests/launch_client.py: the torchrun wrapper scripts/launch.sh runs), {"module": [MODULE,
 *ARGS], ...} with the client's stdin, stdout and stderr passed along the socket (SCM_RIGHTS)
-instead of files. The server answers a line with the launch's process id (its own process
+instead of files, and its network and mount namespaces, which the launch joins. The server answers a line with the launch's process id (its own process
 group: kill the group to stop every rank), then, when it ends, a line with its exit status
 (negative: the signal). A client that goes away first takes the launch with it (SIGKILL to
 its process group).
@@ -182,6 +182,20 @@ def _redirect(request: dict, fds: list) -> None:
         os.close(fd)
 
 
+def join_namespaces(fds: list) -> None:
+    """Into the client's network and mount namespaces (launch_client.NAMESPACES' order), where
+    they are not this process's: the launch of an emulated node (`ip netns exec`) on its link.
+    A forked child is single-threaded, as joining a mount namespace needs."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for fd, (kind, flag) in zip(fds, (("net", 0x40000000), ("mnt", 0x00020000))):
+        if os.fstat(fd).st_ino != os.stat(f"/proc/self/ns/{kind}").st_ino \
+                and libc.setns(fd, flag) != 0:  # CLONE_NEWNET, CLONE_NEWNS
+            raise OSError(ctypes.get_errno(), f"setns into the client's {kind} namespace")
+        os.close(fd)
+
+
 def run_launch(request: dict, fds: list) -> None:
     """In the forked child: become the launch (its own process group, environment, directory
     and output), then torchrun's main, or with "python" or "module" that command; never
@@ -190,10 +204,11 @@ def run_launch(request: dict, fds: list) -> None:
     try:
         atexit._clear()  # a fresh Python has none; the script's own (process_exit.end runs them)
         os.setsid()
+        join_namespaces(fds[3:])
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        _redirect(request, fds)
+        _redirect(request, fds[:3])
         argv = request.get("argv") or request.get("python") or request["module"]
         if asks_for_wandb(argv) and "wandb" in sys.modules \
                 and sys.modules["wandb"] is None:  # the preload's skip_wandb_unless_asked
@@ -224,7 +239,7 @@ def run_launch(request: dict, fds: list) -> None:
 
 def read_request(connection) -> tuple:
     """(the request, the file descriptors that came with it)."""
-    data, fds, _, _ = socket.recv_fds(connection, 1 << 16, 3)
+    data, fds, _, _ = socket.recv_fds(connection, 1 << 16, 5)
     while not data.endswith(b"\n"):
         more = connection.recv(1 << 16)
         if not more:

@@ -14,21 +14,26 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 _GLOO = dist.ProcessGroupGloo
 _DEVICES: list = []
+_MADE = threading.Lock()
 
 
 def _devices() -> list:
-    """The process's devices, made on first use as torch's own constructor makes a group's."""
-    if not _DEVICES:
-        interfaces = os.environ.get("GLOO_SOCKET_IFNAME", "")
-        _DEVICES.extend([_GLOO.create_device(interface=name) for name in interfaces.split(",")]
-                        if len(interfaces) > 1 else [_GLOO.create_default_device()])
-    return _DEVICES
+    """The process's devices, made on first use as torch's own constructor makes a group's
+    (once, also where two threads build their first groups at the same time)."""
+    with _MADE:
+        if not _DEVICES:
+            interfaces = os.environ.get("GLOO_SOCKET_IFNAME", "")
+            _DEVICES.extend([_GLOO.create_device(interface=name)
+                             for name in interfaces.split(",")]
+                            if len(interfaces) > 1 else [_GLOO.create_default_device()])
+        return list(_DEVICES)
 
 
 class _OnSharedDevices(type):

@@ -155,7 +155,7 @@ def test_failing_command_leaves_nothing_behind(tmp_path):
         "    print(subprocess.run(show + ' tc qdisc show', shell=True, capture_output=True,\n"
         "                         text=True).stdout, flush=True)\n")
     run, left = emulated([str(script)], tmp_path, "--inter-node-bandwidth", "200mbit",
-                         timeout=120)
+                         "--grace", "3", timeout=120)  # node 0 waits at torchrun's end
     assert run.returncode != 0
     assert "node 1 exited" in run.stderr
     assert left == [], left

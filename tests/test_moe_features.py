@@ -76,7 +76,8 @@ def test_deepseek_like_gpt_trains_as_megatrons_layer(gpt_data, tmp_path):
     """20 iterations with Parm's default flags (auto schedule and depth, measured at start-up)
     and with megatron's own layer, TP 2 x EP 2 with SP: the same losses (1e-5 relative), the
     same tokens per expert (the expert bias moved alike); and Parm under PP 2 x EP 2 with s2
-    and the shared expert overlapped trains the same model (the layout-free weights)."""
+    and the shared expert overlapped trains the same model (the layout-free weights): its 8
+    iterations, on the same learning-rate schedule, are the first 8 of megatron's."""
     runs = {}
     for name, flags in (("megatron", {**TP2_EP2_SP, "moe-parm-schedule": "megatron"}),
                         ("parm", {**TP2_EP2_SP, "moe-per-layer-logging": True}),
@@ -84,10 +85,12 @@ def test_deepseek_like_gpt_trains_as_megatrons_layer(gpt_data, tmp_path):
                                       "decoder-first-pipeline-num-layers": 2,
                                       "expert-model-parallel-size": 2,
                                       "moe-parm-schedule": "s2", "moe-parm-chunks": 2,
-                                      "moe-shared-expert-overlap": True})):
-        runs[name] = launch(4, tiny_gpt_args(gpt_data, **DEEPSEEK_GPT, **flags), tmp_path)
+                                      "moe-shared-expert-overlap": True,
+                                      "train-iters": 8, "lr-decay-iters": 20})):
+        runs[name] = launch(4, tiny_gpt_args(gpt_data, **{**DEEPSEEK_GPT, **flags}), tmp_path)
         assert runs[name].returncode == 0, runs[name].output[-4000:]
-        assert len(runs[name].loss()) == 20, runs[name].output[-3000:]
+        iterations = flags.get("train-iters", DEEPSEEK_GPT["train-iters"])
+        assert len(runs[name].loss()) == iterations, runs[name].output[-3000:]
     megatron, parm = runs["megatron"], runs["parm"]
     assert "--moe-parm-schedule auto --moe-parm-chunks 0: forward+backward" in parm.output
     # auto measured the shared expert's place for its chosen schedule and depth
@@ -105,7 +108,7 @@ def test_deepseek_like_gpt_trains_as_megatrons_layer(gpt_data, tmp_path):
     assert len(per_layer) == 1, parm.output[-3000:]
     mean = sum(map(float, per_layer[0])) / 2
     assert abs(mean - parm.loss("seq_load_balancing_loss")[-1]) < 1e-4
-    assert max_relative(runs["parm_pp2"].loss(), megatron.loss()) < 1e-4
+    assert max_relative(runs["parm_pp2"].loss(), megatron.loss()[:8]) < 1e-4  # its first 8
 
 
 def test_moe_bert_with_the_features_trains_as_megatrons_layer(bert_data, tmp_path):

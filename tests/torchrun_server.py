@@ -58,6 +58,19 @@ def preload() -> None:
     import parm_trainer.convert.hf  # noqa: F401
 
 
+def freeze_the_imports() -> None:
+    """The preloaded modules' objects out of the garbage collector's reach (gc.freeze, as
+    Python's documentation advises before forking): a forked rank's collections (the trainer's
+    own at start-up, manual_gc.freeze_startup, and every full one after) would otherwise walk
+    them all, writing to each object's header and so copying every page of the server's heap
+    into the rank. 9 four-rank launches of test_training_layouts: 84.2-85.0 -> 68.9-74.9
+    core-s."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 # A rank that has not made its store client (the first step of init_process_group) after this
 # long says so and exits with this status, and conftest.torchrun runs the launch once more.
 RENDEZVOUS_HANG_S = 30.0
@@ -297,6 +310,7 @@ def serve(path: str) -> None:
 if __name__ == "__main__":
     socket_path = sys.argv[1]
     preload()
+    freeze_the_imports()
     watch_rendezvous()
     ranks_start_with_fresh_signals()
     ranks_may_end_with_os_exit()

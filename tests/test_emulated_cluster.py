@@ -49,14 +49,15 @@ def _leftovers(tag):
 
 def emulated(command, tmp_path, *flags, timeout=300, served=True):
     """The tool's run (as subprocess.run gives it) and what is left of its cluster. Unless not
-    `served`, each node's launch.sh runs its wrapper through launch_client.py (conftest.served_env:
-    the ranks forked by the tests' torchrun server, in the node's namespaces), once more where a
-    forked rank's rendezvous hung."""
+    `served`, each node's launch.sh runs its wrapper through launch_client.py
+    (conftest.served_env: the ranks forked by the tests' torchrun server, in the node's
+    namespaces), once more where a forked rank's rendezvous hung."""
     argv = [sys.executable, str(TOOL), "--nodes", "2", "--procs-per-node", "2", "--log-dir",
             str(tmp_path / "logs"), "--master-port", str(free_port()), "--grace", "10", *flags,
             "--", *command]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", **(served_env() if served else {})}
-    for attempt in range(2 if served else 1):
+    left = []
+    for _ in range(2 if served else 1):
         with subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env) as tool:
             try:
@@ -64,10 +65,10 @@ def emulated(command, tmp_path, *flags, timeout=300, served=True):
             except subprocess.TimeoutExpired:
                 tool.kill()
                 raise
+        left += _leftovers(default_tag(tool.pid))
         logs = "".join(path.read_text() for path in (tmp_path / "logs").glob("node*.log"))
         if RENDEZVOUS_HUNG not in logs:
             break
-    left = _leftovers(default_tag(tool.pid))
     return subprocess.CompletedProcess(argv, tool.returncode, out, err), left
 
 

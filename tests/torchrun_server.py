@@ -17,10 +17,10 @@ for `python SCRIPT ARGS` (conftest.python: a tool, the imports made already), {"
 [SCRIPT, *ARGS], ..., "error": a file for stderr apart}; or, for `python -m MODULE ARGS`
 (tests/launch_client.py: the torchrun wrapper scripts/launch.sh runs), {"module": [MODULE,
 *ARGS], ...} with the client's stdin, stdout and stderr passed along the socket (SCM_RIGHTS)
-instead of files, and its network and mount namespaces, which the launch joins. The server answers a line with the launch's process id (its own process
-group: kill the group to stop every rank), then, when it ends, a line with its exit status
-(negative: the signal). A client that goes away first takes the launch with it (SIGKILL to
-its process group).
+instead of files, and its network and mount namespaces, which the launch joins. The server
+answers a line with the launch's process id (its own process group: kill the group to stop
+every rank), then, when it ends, a line with its exit status (negative: the signal). A
+client that goes away first takes the launch with it (SIGKILL to its process group).
 """
 
 from __future__ import annotations

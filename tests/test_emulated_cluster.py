@@ -17,9 +17,8 @@ import time
 
 import pytest
 
-from conftest import ROOT, free_port, launch, served_env, tiny_gpt_args
+from conftest import ROOT, free_port, launch, once_more_if_hung, served_env, tiny_gpt_args
 from parm_trainer.cluster.netns import default_tag
-from torchrun_server import RENDEZVOUS_HUNG
 
 TOOL = ROOT / "tools/emulated_cluster.py"
 
@@ -51,13 +50,14 @@ def emulated(command, tmp_path, *flags, timeout=300, served=True):
     """The tool's run (as subprocess.run gives it) and what is left of its cluster. Unless not
     `served`, each node's launch.sh runs its wrapper through launch_client.py
     (conftest.served_env: the ranks forked by the tests' torchrun server, in the node's
-    namespaces), once more where a forked rank's rendezvous hung."""
+    namespaces), once more where a forked rank's rendezvous hung (conftest.once_more_if_hung)."""
     argv = [sys.executable, str(TOOL), "--nodes", "2", "--procs-per-node", "2", "--log-dir",
             str(tmp_path / "logs"), "--master-port", str(free_port()), "--grace", "10", *flags,
             "--", *command]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", **(served_env() if served else {})}
-    left = []
-    for _ in range(2 if served else 1):
+    runs, left = [], []
+
+    def once() -> tuple:
         with subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env) as tool:
             try:
@@ -65,11 +65,13 @@ def emulated(command, tmp_path, *flags, timeout=300, served=True):
             except subprocess.TimeoutExpired:
                 tool.kill()
                 raise
-        left += _leftovers(default_tag(tool.pid))
-        logs = "".join(path.read_text() for path in (tmp_path / "logs").glob("node*.log"))
-        if RENDEZVOUS_HUNG not in logs:
-            break
-    return subprocess.CompletedProcess(argv, tool.returncode, out, err), left
+        runs.append(subprocess.CompletedProcess(argv, tool.returncode, out, err))
+        left.extend(_leftovers(default_tag(tool.pid)))
+        return tool.returncode, "".join(path.read_text()
+                                        for path in (tmp_path / "logs").glob("node*.log"))
+
+    once_more_if_hung(once)
+    return runs[-1], left
 
 
 def test_two_nodes_train_like_one_and_survive_a_failed_link(gpt_data, tmp_path):

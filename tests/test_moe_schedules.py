@@ -147,24 +147,26 @@ def test_auto_chunks_pipeline_a_slow_link(tmp_path):
 
 def test_auto_without_a_profile_is_left_to_the_start_up_measurement():
     """No profile: nothing is decided before the process groups exist; the candidates are s1
-    and s2 at depths 1, 2 and 4 by default, only the depths of a schedule given, only the
-    schedules at a depth given (tune.py measures them)."""
+    and s2 at depths 1, 2 and 4 by default (s1 alone with one MP rank, where s2 runs the same
+    layer), only the depths of a schedule given, only the schedules at a depth given (tune.py
+    measures them)."""
     from parm_trainer.schedule import tune
     from parm_trainer.schedule.auto import resolve_auto_schedule
 
-    ep2 = ["--expert-model-parallel-size", "2"]
-    with_local = [c for n in ("s1", "s2")
-                  for c in ((n, 1, False), (n, 2, False), (n, 4, False), (n, 2, True))]
-    for argv, want in (([], [(n, r, False) for n in ("s1", "s2") for r in (1, 2, 4)]),
+    ep2, tp2 = ["--expert-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2"]
+    with_local = [(n, r, local) for n in ("s1",) for r, local in ((1, False), (2, False),
+                                                                  (4, False), (2, True))]
+    for argv, want in (([], [("s1", r, False) for r in (1, 2, 4)]),
+                       (tp2, [(n, r, False) for n in ("s1", "s2") for r in (1, 2, 4)]),
                        (["--moe-parm-schedule", "s2"], [("s2", r, False) for r in (1, 2, 4)]),
-                       (["--moe-parm-chunks", "2"], [("s1", 2, False), ("s2", 2, False)]),
+                       (["--moe-parm-chunks", "2"], [("s1", 2, False)]),
+                       (tp2 + ["--moe-parm-chunks", "2"], [("s1", 2, False), ("s2", 2, False)]),
                        # with an EP group to send to: depth 2 with the local rows first too
                        (ep2, with_local),
-                       (ep2 + ["--moe-parm-chunks", "2"], [(n, 2, False) for n in ("s1", "s2")]),
-                       (ep2 + ["--moe-parm-local-first"],
-                        [(n, r, True) for n in ("s1", "s2") for r in (1, 2, 4)]),
+                       (ep2 + ["--moe-parm-chunks", "2"], [("s1", 2, False)]),
+                       (ep2 + ["--moe-parm-local-first"], [("s1", r, True) for r in (1, 2, 4)]),
                        (ep2 + ["--moe-parm-exchange", "padded"],
-                        [(n, r, False) for n in ("s1", "s2") for r in (1, 2, 4)])):
+                        [("s1", r, False) for r in (1, 2, 4)])):
         args = parse_args(["--num-experts", "4", "--disable-bias-linear", *argv], world_size=2)
         said = []
         resolve_auto_schedule(args, log=said.append)
@@ -264,6 +266,24 @@ def test_tune_times_the_candidates_in_interleaved_rounds():
     assert interleaved_medians(list(true), run, warmup=1, rounds=5) == [3e-3, 2e-3, 4e-3, 5e-3]
     assert [calls[4 + 4 * k: 8 + 4 * k] for k in range(5)] == rounds
     assert len(calls) == 4 + 5 * 4
+
+
+def test_tune_rounds_balance_what_each_candidate_follows():
+    """Each round takes every candidate once, and over 2 n rounds of n candidates each one
+    follows each other one exactly twice (a pass carries what the one before it left), for
+    the candidate counts start-up measures (2 to 8); rounds 0-4 of three candidates are not
+    all one order."""
+    from collections import Counter
+
+    from parm_trainer.schedule.tune import round_order
+
+    for n in range(2, 9):
+        items = [f"c{i}" for i in range(n)]
+        rounds = [round_order(items, k) for k in range(2 * n)]
+        assert all(sorted(r) == items for r in rounds)
+        follows = Counter(pair for r in rounds for pair in zip(r, r[1:]))
+        assert set(follows.values()) == {2} and len(follows) == n * (n - 1), (n, follows)
+    assert len({tuple(round_order(["a", "b", "c"], k)) for k in range(5)}) == 5
 
 
 def test_tune_runs_off_a_close_call():

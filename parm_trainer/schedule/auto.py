@@ -43,8 +43,9 @@ def resolve_auto_schedule(args, log=print) -> None:
     s1 and s2, and --moe-parm-chunks 0 by the cheapest pipeline depth of CHUNK_CHOICES (for s1
     and s2; the other schedules do not pipeline), and say why. Without one, leave both to be
     measured at start-up (args.moe_parm_tune_candidates, resolved by tune.tune_at_startup once
-    the process groups exist). A given profile is checked whatever the schedule, so a bad one
-    never goes unnoticed."""
+    the process groups exist; with one MP rank s1 alone: s2 then runs the same collectives and
+    work, and timing both spent start-up seconds on a coin toss between them). A given profile
+    is checked whatever the schedule, so a bad one never goes unnoticed."""
     profile = load_profile(args)
     auto_schedule, auto_chunks = args.moe_parm_schedule == "auto", args.moe_parm_chunks == 0
     names = ("s1", "s2") if auto_schedule else (args.moe_parm_schedule,)
@@ -54,6 +55,8 @@ def resolve_auto_schedule(args, log=print) -> None:
             args.moe_parm_chunks = 1
         return
     if not args.moe_parm_cost_profile:  # measured at start-up instead (tune.py)
+        if args.tensor_model_parallel_size == 1:  # no MP to pause: s1 and s2 run alike
+            names = names[:1]
         args.moe_parm_tune_candidates = [(n, r, local) for n in names
                                          for r, local in weighed_depths(args, TUNE_DEPTHS)]
         return

@@ -25,7 +25,6 @@ import copy
 import fcntl
 import json
 import os
-import random
 import socket
 import statistics
 import time
@@ -149,15 +148,20 @@ def interleaved_times(candidates: list, run, warmup: int = WARMUP,
 
 
 def round_order(items: list, k: int) -> list:
-    """The order of round k: items shuffled by a generator seeded with k alone, so every rank
-    takes the same order (the runs are collective), and each item follows each other about
-    equally often. A rotation keeps one cyclic order, so an item would follow the same one in
-    nearly every round and carry what that one leaves behind (memory it freed, the state of
-    the connections it used): a layer timed after s2 at depth 4 ran 2-7 % slower than the same
-    layer timed after s1 at depth 2, in the same launch."""
-    order = list(items)
-    random.Random(k).shuffle(order)
-    return order
+    """The order of round k, the same on every rank (the runs are collective): a Williams
+    design, whose rounds 2i and 2i + 1 are the sequence 0, 1, n-1, 2, n-2, ... shifted by i,
+    forward then reversed, so that over 2n rounds each item follows each other one exactly
+    twice. A pass carries what the one before it leaves behind (memory it freed, the state of
+    the connections it used: a layer timed after s2 at depth 4 ran 2-7 % slower than the same
+    layer timed after s1 at depth 2, in the same launch). A rotation keeps one cyclic order;
+    shuffles seeded by the round put the first of three candidates (TP 1: s1 at depths 1, 2
+    and 4) after the third in 4 of 5 rounds."""
+    n = len(items)
+    first = [0]
+    for j in range(1, n):
+        first.append((j + 1) // 2 if j % 2 else n - j // 2)
+    row = [(j + k // 2) % n for j in first]
+    return [items[j] for j in (row[::-1] if k % 2 else row)]
 
 
 def measured_seconds(candidates: list, run, reduce=lambda seconds: seconds) -> tuple:

@@ -154,8 +154,8 @@ def test_auto_without_a_profile_is_left_to_the_start_up_measurement():
     from parm_trainer.schedule.auto import resolve_auto_schedule
 
     ep2, tp2 = ["--expert-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2"]
-    with_local = [(n, r, local) for n in ("s1",) for r, local in ((1, False), (2, False),
-                                                                  (4, False), (2, True))]
+    with_local = [("s1", r, local) for r, local in ((1, False), (2, False), (4, False),
+                                                    (2, True))]
     for argv, want in (([], [("s1", r, False) for r in (1, 2, 4)]),
                        (tp2, [(n, r, False) for n in ("s1", "s2") for r in (1, 2, 4)]),
                        (["--moe-parm-schedule", "s2"], [("s2", r, False) for r in (1, 2, 4)]),

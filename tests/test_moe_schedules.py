@@ -268,6 +268,35 @@ def test_tune_times_the_candidates_in_interleaved_rounds():
     assert len(calls) == 4 + 5 * 4
 
 
+def test_tune_times_its_passes_with_the_collector_paused():
+    """Every timed pass (and warm-up) runs with Python's automatic collector off: start-up's
+    objects are not frozen yet, and a full collection's pause on one rank fell on whichever
+    pass crossed the threshold. Afterwards the collector is as it was, on or off, even where
+    a pass raised."""
+    import gc
+
+    from parm_trainer.schedule.tune import interleaved_times
+
+    seen = []
+
+    def run(candidate):
+        seen.append(gc.isenabled())
+        return 1.0
+
+    assert gc.isenabled()
+    try:
+        interleaved_times(["a", "b"], run, warmup=1, rounds=2)
+        assert seen == [False] * 6 and gc.isenabled()
+        with pytest.raises(RuntimeError):
+            interleaved_times(["a"], lambda c: (_ for _ in ()).throw(RuntimeError(c)))
+        assert gc.isenabled()
+        gc.disable()
+        interleaved_times(["a"], run, warmup=0, rounds=1)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_tune_rounds_balance_what_each_candidate_follows():
     """Each round takes every candidate once, and over 2 n rounds of n candidates each one
     follows each other one exactly twice (a pass carries what the one before it left), for

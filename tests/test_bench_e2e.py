@@ -90,6 +90,25 @@ def test_autos_choice_is_named_as_its_row():
     assert tool.chosen_row("iteration 10/30 | ms/iter 900.0") is None
 
 
+def test_the_table_names_autos_choice_of_each_run_where_they_differ(capsys):
+    """A row whose runs all chose one depth is named by it; where auto chose differently from
+    one run to the next, each run's figure carries its own choice (the JSON keeps them all)."""
+    def run(ms, chosen):
+        return {"ms_per_iter": ms, "wall_ms_per_iter": float("nan"), "save_held_s": [],
+                "tokens_per_iter": 2048, "chosen": chosen}
+
+    summary = tool._summary({"default": [run(965.4, "s1/r2"), run(915.3, "s1/r1"),
+                                         run(960.4, "s1/r1")],
+                             "again": [run(900.0, "s1/r1"), run(910.0, "s1/r1")],
+                             "megatron-allgather": [run(1476.2, None)]}, saves=False)
+    out = capsys.readouterr().out
+    assert "965.4 (s1/r2), 915.3 (s1/r1), 960.4 (s1/r1)" in out and "default=" not in out
+    assert "again=s1/r1" in out and "900.0, 910.0" in out and "(s1/r1)" not in out.split(
+        "again")[1]
+    assert "1476.2" in out and summary["default"]["chosen"] == ["s1/r2", "s1/r1", "s1/r1"]
+    assert summary["default"]["ms_per_iter"] == 960.4
+
+
 TIMED_LOG = """predicted forward + backward per micro-batch (the default profile, x): PP rank 0 12.50 ms, PP rank 1 30.00 ms; 400.0 ms per iteration
 iteration      5/10 | lm loss 9.1 | ms/iter 900.0 | tokens/s 2276
 times across ranks (ms):

@@ -146,15 +146,19 @@ def _summary(runs: dict, saves: bool) -> dict:
                              "save_held_s": statistics.fmean(held) if held else None,
                              "runs": [x["ms_per_iter"] for x in results],
                              "wall_runs": [x["wall_ms_per_iter"] for x in results],
-                             "chosen": results[0]["chosen"]}
-        name = f"{schedule}={results[0]['chosen']}" if results[0]["chosen"] else schedule
+                             "chosen": [x["chosen"] for x in results]}  # auto's, each run's
+        chosen = {x["chosen"] for x in results}
+        one = chosen.pop() if len(chosen) == 1 else None  # else each run names its own
+        name = f"{schedule}={one}" if one else schedule
+        figure = lambda x, key: f"{x[key]:.1f}" + ("" if one or not x["chosen"]  # noqa: E731
+                                                    else f" ({x['chosen']})")
         line = f"{name:<{width}}{ms:>10.1f}{tokens / ms * 1e3:>10.0f}"
         if saves:
             line += (f"{wall:>14.1f}{summary[schedule]['save_held_s'] or 0:>8.2f}"
                      f"{wall / first_wall:>9.3f}  "
-                     + ", ".join(f"{x['wall_ms_per_iter']:.1f}" for x in results))
+                     + ", ".join(figure(x, "wall_ms_per_iter") for x in results))
         else:
-            line += "  " + ", ".join(f"{x['ms_per_iter']:.1f}" for x in results)
+            line += "  " + ", ".join(figure(x, "ms_per_iter") for x in results)
         print(line)
     return summary
 

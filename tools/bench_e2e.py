@@ -150,16 +150,14 @@ def _summary(runs: dict, saves: bool) -> dict:
         chosen = {x["chosen"] for x in results}
         one = chosen.pop() if len(chosen) == 1 else None  # else each run names its own
         name = f"{schedule}={one}" if one else schedule
-        figure = lambda x, key: f"{x[key]:.1f}" + ("" if one or not x["chosen"]  # noqa: E731
-                                                    else f" ({x['chosen']})")
         line = f"{name:<{width}}{ms:>10.1f}{tokens / ms * 1e3:>10.0f}"
         if saves:
             line += (f"{wall:>14.1f}{summary[schedule]['save_held_s'] or 0:>8.2f}"
-                     f"{wall / first_wall:>9.3f}  "
-                     + ", ".join(figure(x, "wall_ms_per_iter") for x in results))
-        else:
-            line += "  " + ", ".join(figure(x, "ms_per_iter") for x in results)
-        print(line)
+                     f"{wall / first_wall:>9.3f}")
+        key = "wall_ms_per_iter" if saves else "ms_per_iter"
+        print(line + "  " + ", ".join(f"{x[key]:.1f}" + (f" ({x['chosen']})" if x["chosen"]
+                                                          and not one else "")
+                                      for x in results))
     return summary
 
 
